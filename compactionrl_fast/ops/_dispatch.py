@@ -1,0 +1,82 @@
+"""Backend discovery and choice. `backend="auto"` picks the fastest backend built for the device.
+
+CUDA tensors: triton > cuda > torch.  CPU tensors: cpp > torch.  The Triton kernels run on CPU tensors
+only under the Triton interpreter (TRITON_INTERPRET=1, set before triton is imported); that is how
+they are tested on machines without a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+BACKENDS = ("auto", "triton", "cuda", "cpp", "torch")
+
+
+@functools.lru_cache(None)
+def cpp_ext():
+    """The compiled extension `compactionrl_fast._C`, or None if it was not built."""
+    try:
+        return importlib.import_module("compactionrl_fast._C")
+    except ImportError:
+        return None
+
+
+def has_cuda_ext() -> bool:
+    ext = cpp_ext()
+    return bool(ext is not None and getattr(ext, "WITH_CUDA", 0))
+
+
+@functools.lru_cache(None)
+def has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available(device: torch.device) -> list[str]:
+    """Backends usable for tensors on `device`, fastest first."""
+    out = []
+    if device.type == "cuda":
+        if has_triton():
+            out.append("triton")
+        if has_cuda_ext():
+            out.append("cuda")
+    else:
+        if cpp_ext() is not None:
+            out.append("cpp")
+        if has_triton() and triton_interpret():
+            out.append("triton")
+    out.append("torch")
+    return out
+
+
+def resolve(backend: str, device: torch.device, supported=BACKENDS) -> str:
+    """Map `backend` to a concrete backend for `device`, or raise a ValueError that says why not."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    avail = [b for b in available(device) if b in supported]
+    if backend == "auto":
+        return avail[0]
+    if backend in avail:
+        return backend
+    why = {
+        "triton": "the triton backend needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before "
+        "triton is imported" if has_triton() else "triton is not installed",
+        "cuda": "the cuda backend needs CUDA tensors and an extension built with CUDA "
+        "(see COMPACTIONRL_FAST_BUILD_CUDA in the README)",
+        "cpp": "the cpp backend needs CPU tensors and the compiled extension compactionrl_fast._C "
+        "(pip install --no-build-isolation -e .)",
+        "torch": "",
+    }[backend]
+    if backend not in supported:
+        why = f"this op has no {backend} backend"
+    raise ValueError(f"backend={backend!r} is not available for {device.type} tensors: {why}")

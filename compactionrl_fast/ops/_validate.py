@@ -1,0 +1,58 @@
+"""Input checks shared by every op. Each raises ValueError/TypeError naming the argument."""
+from __future__ import annotations
+
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(name, t, *, dtypes=None, ndim=None, device=None, numel=None):
+    """Check that `t` is a tensor with one of `dtypes`, `ndim` dims, on `device`, with `numel` elements."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        want = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({want}), got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (all tensors must share one device)")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} must have {numel} elements, got shape {tuple(t.shape)}")
+    return t
+
+
+def check_offsets(name, cu, *, total, device, total_name="T"):
+    """`cu` is an int32/int64 [N+1] offset vector: cu[0] = 0, non-decreasing, cu[-1] = total.
+
+    Returns N. Reads `cu` on the host once (one sync for CUDA tensors); the kernels trust it afterwards,
+    so a bad offset is an error here rather than an out-of-bounds access later.
+    """
+    check_tensor(name, cu, dtypes=INDEX_DTYPES, ndim=1, device=device)
+    if cu.numel() < 1:
+        raise ValueError(f"{name} must have at least one element (offsets [N+1])")
+    c = cu.detach().to("cpu", torch.int64)
+    if int(c[0]) != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(c[0])}")
+    if c.numel() > 1 and bool((c[1:] < c[:-1]).any()):
+        i = int(torch.nonzero(c[1:] < c[:-1])[0]) + 1
+        raise ValueError(f"{name} must be non-decreasing, but {name}[{i}]={int(c[i])} < {name}[{i-1}]={int(c[i-1])}")
+    if int(c[-1]) != total:
+        raise ValueError(f"{name}[-1] must equal {total_name}={total}, got {int(c[-1])}")
+    return cu.numel() - 1
+
+
+def check_float(name, x, lo=None, hi=None):
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(x).__name__}")
+    x = float(x)
+    if x != x or (lo is not None and x < lo) or (hi is not None and x > hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {x}")
+    return x
+
+
+def check_choice(name, x, choices):
+    if x not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {x!r}")
+    return x

@@ -1,0 +1,105 @@
+// segment_gae on CPU: one reverse pass per rollout, rollouts in parallel, double accumulation.
+// Schema and Python-facing semantics: compactionrl_fast/ops/gae.py; math: csrc/common/gae_step.h.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include "../common/alloc.h"
+#include "../common/gae_step.h"
+
+namespace {
+
+using crf::GaeCarry;
+
+template <typename idx_t>
+void gae_rollout(int64_t r, const idx_t* cu_seq, const idx_t* cu_seg, const float* rew, const float* val,
+                 const bool* mask, const float* lam_seg, double gamma, double lam, int64_t lam_mode,
+                 double alpha, int64_t cross, double lam_critic, float* adv, float* ret) {
+  const int64_t s0 = cu_seg[r], s1 = cu_seg[r + 1];
+  const int64_t bos = cu_seq[s0], eos = cu_seq[s1];
+  int64_t n_rollout = 0;
+  if (lam_mode == crf::kLamAdaptiveRollout)
+    for (int64_t t = bos; t < eos; ++t) n_rollout += mask[t];
+  const bool own_critic = lam_critic >= 0.0;
+  GaeCarry c, cc;           // advantage and critic (returns) recurrences
+  int64_t n_later = 0;      // trainable tokens in later segments of this rollout
+  for (int64_t s = s1 - 1; s >= s0; --s) {
+    const int64_t a0 = cu_seq[s], a1 = cu_seq[s + 1];
+    int64_t n_seg = -1;
+    double l;
+    switch (lam_mode) {
+      case crf::kLamConst: l = lam; break;
+      case crf::kLamTensor: l = lam_seg[s]; break;
+      case crf::kLamAdaptiveRollout: l = crf::adaptive_lambda(n_rollout, alpha); break;
+      default:
+        n_seg = 0;
+        for (int64_t t = a0; t < a1; ++t) n_seg += mask[t];
+        l = crf::adaptive_lambda(n_seg, alpha);
+    }
+    if (cross != crf::kCrossStitched) c = GaeCarry(), cc = GaeCarry();
+    const double gl = gamma * l, glc = gamma * (own_critic ? lam_critic : l);
+    const double scale = cross == crf::kCrossPaper ? crf::power_count(gl, n_later) : 1.0;
+    int64_t n = 0;
+    for (int64_t t = a1 - 1; t >= a0; --t) {
+      if (!mask[t]) {
+        adv[t] = 0.f;
+        ret[t] = 0.f;
+        continue;
+      }
+      ++n;
+      const double rt = rew[t], vt = val[t];
+      const double a = crf::gae_step(c, rt, vt, gamma, gl);
+      adv[t] = (float)(scale * a);
+      ret[t] = (float)((own_critic ? crf::gae_step(cc, rt, vt, gamma, glc) : a) + vt);
+    }
+    n_later += n;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> segment_gae_cpu(const at::Tensor& rewards, const at::Tensor& values,
+                                                   const at::Tensor& loss_mask, const at::Tensor& cu_seqlens,
+                                                   const at::Tensor& cu_segments,
+                                                   const std::optional<at::Tensor>& lam_seg, double gamma,
+                                                   double lam, int64_t lam_mode, double alpha, int64_t cross,
+                                                   double lam_critic) {
+  TORCH_CHECK(rewards.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
+              "segment_gae: rewards and values must be float32");
+  TORCH_CHECK(loss_mask.scalar_type() == at::kBool, "segment_gae: loss_mask must be bool");
+  TORCH_CHECK(cu_seqlens.scalar_type() == cu_segments.scalar_type(),
+              "segment_gae: cu_seqlens and cu_segments must share a dtype");
+  auto rew = rewards.contiguous(), val = values.contiguous(), mask = loss_mask.contiguous();
+  auto cs = cu_seqlens.contiguous(), cg = cu_segments.contiguous();
+  at::Tensor ls;
+  const float* lam_ptr = nullptr;
+  if (lam_mode == crf::kLamTensor) {
+    TORCH_CHECK(lam_seg.has_value(), "segment_gae: lam_mode=tensor needs lam_seg");
+    ls = lam_seg->to(at::kFloat).contiguous();
+    lam_ptr = ls.data_ptr<float>();
+  }
+  auto adv = crf::empty_output(rew.sizes(), rew.options()), ret = crf::empty_output(rew.sizes(), rew.options());
+  const int64_t R = cg.numel() - 1;
+  AT_DISPATCH_INDEX_TYPES(cs.scalar_type(), "segment_gae_cpu", [&] {
+    const index_t* cu_seq = cs.data_ptr<index_t>();
+    const index_t* cu_seg = cg.data_ptr<index_t>();
+    const float *pr = rew.data_ptr<float>(), *pv = val.data_ptr<float>();
+    const bool* pm = mask.data_ptr<bool>();
+    float *pa = adv.data_ptr<float>(), *pt = ret.data_ptr<float>();
+    at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        gae_rollout<index_t>(r, cu_seq, cu_seg, pr, pv, pm, lam_ptr, gamma, lam, lam_mode, alpha, cross,
+                             lam_critic, pa, pt);
+    });
+  });
+  return {adv, ret};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(compactionrl_fast, m) {
+  m.def(
+      "segment_gae(Tensor rewards, Tensor values, Tensor loss_mask, Tensor cu_seqlens, Tensor cu_segments, "
+      "Tensor? lam_seg, float gamma, float lam, int lam_mode, float alpha, int cross, float lam_critic) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(compactionrl_fast, CPU, m) { m.impl("segment_gae", &segment_gae_cpu); }

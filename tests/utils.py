@@ -1,0 +1,66 @@
+"""Shared test helpers: random packed batches from shape tables, NaN poisoning."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+# A segment is (length, mask kind): "rand" ~70% trainable in runs (like assistant turns between
+# observations), "none" no trainable token, "all" every token trainable.
+# A rollout is a list of segments; a case is a list of rollouts.
+SHAPE_TABLE = {
+    "single_token": [[(1, "all")], [(1, "all"), (1, "all")]],
+    "empty_segments": [[(0, "rand"), (5, "rand"), (0, "rand")], [(0, "rand")], [(3, "all"), (0, "all")]],
+    "no_trainable": [[(7, "none"), (9, "rand")], [(4, "rand"), (6, "none")], [(5, "none")]],
+    "odd_lengths": [[(63, "rand"), (1, "all"), (500, "rand")], [(17, "rand")], [(1000, "rand"), (2, "none")]],
+    "long_multiblock": [[(2500, "rand"), (70, "rand"), (1300, "rand"), (5, "all")], [(3001, "all")]],
+    "four_segments": [[(40, "rand"), (13, "all"), (55, "rand"), (9, "all")], [(30, "rand"), (8, "all")],
+                      [(25, "rand")]],
+}
+
+
+def random_case(seed: int, n_rollouts: int = 6, max_len: int = 400):
+    """A random case: 1..4 segments per rollout, lengths incl. 0 and 1, some segments untrainable."""
+    rng = random.Random(seed)
+    case = []
+    for _ in range(n_rollouts):
+        segs = []
+        for _ in range(rng.randint(1, 4)):
+            n = rng.choice([0, 1, 2, rng.randint(3, max_len), rng.randint(3, max_len)])
+            segs.append((n, rng.choice(["rand", "rand", "rand", "none", "all"])))
+        case.append(segs)
+    return case
+
+
+def make_mask(n: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    if kind == "all":
+        return torch.ones(n, dtype=torch.bool)
+    if kind == "none":
+        return torch.zeros(n, dtype=torch.bool)
+    # runs of trainable and observation tokens, about 70% trainable
+    out = torch.zeros(n, dtype=torch.bool)
+    t, on = 0, bool(torch.rand((), generator=gen) < 0.7)
+    while t < n:
+        run = int(torch.randint(1, 40, (), generator=gen))
+        out[t:t + run] = on
+        t += run
+        on = bool(torch.rand((), generator=gen) < (0.8 if not on else 0.35))
+    return out
+
+
+def packed_batch(case, *, seed: int = 0, index_dtype=torch.int32, device="cpu"):
+    """Build the SPEC layout for a case: rewards, values, loss_mask [T], cu_seqlens [S+1], cu_segments [R+1]."""
+    gen = torch.Generator().manual_seed(seed)
+    masks, seq, segs = [], [0], [0]
+    for rollout in case:
+        for n, kind in rollout:
+            masks.append(make_mask(n, kind, gen))
+            seq.append(seq[-1] + n)
+        segs.append(segs[-1] + len(rollout))
+    mask = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
+    T = mask.numel()
+    rewards = torch.randn(T, generator=gen) * (torch.rand(T, generator=gen) < 0.2)
+    values = torch.randn(T, generator=gen)
+    out = dict(rewards=rewards, values=values, loss_mask=mask,
+               cu_seqlens=torch.tensor(seq, dtype=index_dtype), cu_segments=torch.tensor(segs, dtype=index_dtype))
+    return {k: v.to(device) for k, v in out.items()}

@@ -1,0 +1,281 @@
+"""`linear_logprobs`: log-probs and entropy of the LM head's softmax without [T, V] logits (SPEC section 4).
+
+The tokens are processed in chunks of C rows: `z = (hidden_c @ W.T + b) / temperature` goes into one
+[C, V] buffer (a BLAS / cuBLAS matmul), then the per-row softmax work runs on it: in PyTorch ("torch",
+the CPU default) or in the Triton kernels of kernels/linear_logprobs.py ("triton", the CUDA default).
+Backward recomputes each chunk's logits, turns them into dL/dz in place and runs the two gradient
+matmuls: 4 matmuls in all where the naive composition runs 3, in exchange for O(C * V) memory.
+
+Gradients of both outputs with respect to z (p = softmax(z), H = entropy, one-hot of the target e_y):
+    d logp / dz = e_y - p            d H / dz = -p * (log p + H)
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _alloc, _dispatch
+from ._validate import check_float, check_tensor
+
+HIDDEN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Logits elements per chunk buffer when chunk_size is None: 32 MB of fp32 on CPU (measured best on the
+# benchmark shape, see benchmarks/bench_linear_logprobs.py), 512 MB of bf16 on CUDA (large chunks keep
+# cuBLAS efficient; the buffer stays small next to the [V, H] weight gradient).
+CHUNK_ELEMS = {"cpu": 1 << 23, "cuda": 1 << 28}
+
+
+def default_chunk_size(T: int, V: int, device: torch.device) -> int:
+    """Rows per chunk: the CHUNK_ELEMS budget over V, a multiple of 16 when it can be, at most T."""
+    c = max(1, CHUNK_ELEMS.get(device.type, CHUNK_ELEMS["cpu"]) // max(V, 1))
+    if c >= 16:
+        c -= c % 16
+    return max(1, min(c, T))
+
+
+# ---------------------------------------------------------------- per-chunk pieces
+
+
+def _logits(h_c, weight, bias, inv_t, out):
+    """out [c, V] (weight dtype) = (h_c @ W.T + b) * inv_t; the scale rides on the matmul's alpha/beta."""
+    if bias is None:
+        return torch.addmm(out, h_c, weight.T, beta=0.0, alpha=inv_t, out=out)
+    return torch.addmm(bias, h_c, weight.T, beta=inv_t, alpha=inv_t, out=out)
+
+
+def _stats_torch(z, y, lse, logp, ent, tmp):
+    """lse, logp (and entropy) of the fp32 logits z [c, V]; z and tmp are clobbered."""
+    z_y = z.gather(1, y[:, None])[:, 0]
+    m = z.amax(1)
+    z.sub_(m[:, None])  # d = z - max
+    e = torch.exp(z, out=tmp) if ent is not None else z.exp_()
+    s = e.sum(1)
+    lse.copy_(m + s.log())
+    logp.copy_(z_y - lse)
+    if ent is not None:  # H = log s - E[d], never lse - E[z] (cancellation when lse is large)
+        ent.copy_(s.log() - e.mul_(z).sum(1) / s)  # mul + pairwise sum: 10x more precise than a bmm dot
+
+
+def _dlogits_torch(z, y, lse, ent, g_lp, g_ent, tmp):
+    """z [c, V] fp32 logits -> dL/dz in place: g_lp * (e_y - p) - g_ent * p * (log p + H)."""
+    if g_ent is None:
+        z.sub_(lse[:, None]).exp_().mul_(-g_lp[:, None])
+    else:
+        p = torch.sub(z, lse[:, None], out=tmp).exp_()
+        # -p * (g_lp + g_ent * (z - lse + H)) = p * (-g_ent * z - (g_lp + g_ent * (H - lse)))
+        c = -(g_lp + g_ent * (ent - lse))
+        torch.addcmul(c[:, None], z, -g_ent[:, None], out=z).mul_(p)
+    z.scatter_add_(1, y[:, None], g_lp[:, None])
+    return z
+
+
+class _Chunker:
+    """Buffers and the per-chunk steps, for one forward or backward pass."""
+
+    def __init__(self, hidden, weight, bias, inv_t, C, use_triton, need_tmp):
+        self.hidden, self.weight, self.bias, self.inv_t, self.use_triton = hidden, weight, bias, inv_t, use_triton
+        V, dev = weight.shape[0], weight.device
+        self.buf = torch.empty(C, V, dtype=weight.dtype, device=dev)  # matmul output
+        # the PyTorch softmax work runs in fp32: a second buffer for bf16/fp16, a third for p
+        self.fbuf = None if use_triton or weight.dtype == torch.float32 else torch.empty(C, V, device=dev)
+        self.tmp = torch.empty(C, V, device=dev) if need_tmp and not use_triton else None
+
+    def logits(self, sl):
+        """(z in the matmul dtype, z in fp32 for the PyTorch path) of the rows `sl`."""
+        c = sl.stop - sl.start
+        x = _logits(self.hidden[sl], self.weight, self.bias, self.inv_t, self.buf[:c])
+        if self.use_triton or self.fbuf is None:
+            return x, x
+        return x, self.fbuf[:c].copy_(x)
+
+    def stats(self, sl, y, lse, logp, ent):
+        x, z = self.logits(sl)
+        if self.use_triton:
+            from ..kernels.linear_logprobs import linear_logprobs_stats
+            linear_logprobs_stats(x, y, lse, logp, ent)
+        else:
+            _stats_torch(z, y, lse, logp, ent, None if self.tmp is None else self.tmp[:z.shape[0]])
+
+    def dlogits(self, sl, y, lse, ent, g_lp, g_ent):
+        """dL/dz of the rows `sl` in the matmul dtype (a view of the chunk buffer)."""
+        x, z = self.logits(sl)
+        if self.use_triton:
+            from ..kernels.linear_logprobs import linear_logprobs_dlogits
+            return linear_logprobs_dlogits(x, y, lse, ent, g_lp, g_ent)
+        _dlogits_torch(z, y, lse, ent, g_lp, g_ent, None if self.tmp is None else self.tmp[:z.shape[0]])
+        return x if x is z else x.copy_(z)
+
+
+class _Grads:
+    """Accumulates d hidden, d W, d b chunk by chunk (W and b in fp32 unless they are fp32 already)."""
+
+    def __init__(self, hidden, weight, bias, needs, n_chunks):
+        self.hidden, self.weight, self.n_chunks = hidden, weight, n_chunks
+        need_h, self.need_w, need_b = needs
+        self.dh = _alloc.empty(*hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
+        dev = weight.device
+        self.dw = torch.zeros(weight.shape, device=dev) if self.need_w and n_chunks > 1 else None
+        self.db = torch.zeros(bias.shape, device=dev) if need_b else None
+
+    def add(self, sl, d):
+        """d: [c, V] dL/d(logits before the temperature), rows `sl`, in the matmul dtype."""
+        h_c = self.hidden[sl]
+        if self.dh is not None:
+            torch.mm(d, self.weight, out=self.dh[sl])
+        if self.need_w:
+            if self.n_chunks == 1:
+                self.dw = d.T @ h_c
+            elif d.dtype == torch.float32:
+                self.dw.addmm_(d.T, h_c)
+            else:
+                self.dw += d.T @ h_c
+        if self.db is not None:
+            self.db += d.sum(0, dtype=torch.float32)
+
+    def result(self):
+        dw = None if self.dw is None else self.dw.to(self.weight.dtype)
+        db = None if self.db is None else self.db.to(self.weight.dtype)
+        return self.dh, dw, db
+
+
+def _chunks(T, C):
+    return [slice(t0, min(T, t0 + C)) for t0 in range(0, T, C)]
+
+
+# ---------------------------------------------------------------- forward / backward
+
+
+def linear_logprobs_fwd(hidden, weight, bias, targets, inv_t, C, want_entropy, use_triton):
+    """Forward chunk loop: (lse, logp, entropy or None), each [T] fp32."""
+    T, dev = hidden.shape[0], hidden.device
+    lse = _alloc.empty(T, device=dev)
+    logp = _alloc.empty(T, device=dev)
+    ent = _alloc.empty(T, device=dev) if want_entropy else None
+    ck = _Chunker(hidden, weight, bias, inv_t, C, use_triton, need_tmp=want_entropy)
+    for sl in _chunks(T, C):
+        ck.stats(sl, targets[sl], lse[sl], logp[sl], None if ent is None else ent[sl])
+    return lse, logp, ent
+
+
+def linear_logprobs_bwd(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, inv_t, C, needs, use_triton):
+    """Backward chunk loop: recompute each chunk's logits, form dL/dz, run the gradient matmuls.
+
+    g_lp, g_ent: [T] upstream gradients (None: that output is unused). Returns (d hidden, d W, d b),
+    None where `needs` says no.
+    """
+    T = hidden.shape[0]
+    # fold the temperature's chain-rule factor into the per-token gradients: dL/dl = dL/dz / temperature
+    g_lp = (torch.zeros(T, device=hidden.device) if g_lp is None else g_lp.float() * inv_t).contiguous()
+    g_ent = None if g_ent is None else (g_ent.float() * inv_t).contiguous()
+    chunks = _chunks(T, C)
+    ck = _Chunker(hidden, weight, bias, inv_t, C, use_triton, need_tmp=g_ent is not None)
+    grads = _Grads(hidden, weight, bias, needs, len(chunks))
+    for sl in chunks:
+        d = ck.dlogits(sl, targets[sl], lse[sl], None if g_ent is None else ent[sl], g_lp[sl],
+                       None if g_ent is None else g_ent[sl])
+        grads.add(sl, d)
+    return grads.result()
+
+
+class LinearLogprobsFunction(torch.autograd.Function):
+    """Saves the inputs and the [T] row statistics; recomputes the logits chunk by chunk in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, inv_t, C, want_entropy, use_triton):
+        lse, logp, ent = linear_logprobs_fwd(hidden, weight, bias, targets, inv_t, C, want_entropy, use_triton)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.cfg = (inv_t, C, use_triton)
+        ctx.set_materialize_grads(False)
+        return (logp, ent) if want_entropy else logp
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent=None):
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad[:3])
+        if (g_lp is None and g_ent is None) or not any(needs):
+            return (None,) * 8
+        inv_t, C, use_triton = ctx.cfg
+        dh, dw, db = linear_logprobs_bwd(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, inv_t, C, needs,
+                                         use_triton)
+        return dh, dw, db, None, None, None, None, None
+
+
+# ---------------------------------------------------------------- public function
+
+
+def _check_inputs(hidden, weight, targets, bias, temperature, chunk_size, return_entropy):
+    check_tensor("hidden", hidden, dtypes=HIDDEN_DTYPES, ndim=2)
+    dev = hidden.device
+    check_tensor("weight", weight, dtypes=(hidden.dtype,), ndim=2, device=dev)
+    T, H = hidden.shape
+    V = weight.shape[0]
+    if weight.shape[1] != H:
+        raise ValueError(f"weight must be [V, H] with H={H} (hidden's last dim), got shape {tuple(weight.shape)}")
+    if V == 0:
+        raise ValueError("weight must have at least one row (vocabulary size V >= 1)")
+    check_tensor("targets", targets, dtypes=(torch.int64, torch.int32), ndim=1, device=dev, numel=T)
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(hidden.dtype,), ndim=1, device=dev, numel=V)
+    temperature = check_float("temperature", temperature, 0.0, float("inf"))
+    if not 0.0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
+        raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"return_entropy must be a bool, got {type(return_entropy).__name__}")
+    if T:
+        lo, hi = (int(x) for x in torch.stack([targets.min(), targets.max()]).tolist())  # one host sync
+        if lo < 0 or hi >= V:
+            bad = int(torch.nonzero((targets < 0) | (targets >= V))[0])
+            raise ValueError(f"targets must be in [0, V={V}), got targets[{bad}]={int(targets[bad])}")
+    return temperature
+
+
+def _resolve_backend(backend, device, dtype):
+    # CPU tensors run the PyTorch chunk loop; the Triton kernels on CPU exist only for the interpreter
+    b = "torch" if backend == "auto" and device.type != "cuda" else _dispatch.resolve(backend, device,
+                                                                                     ("triton", "torch"))
+    if b == "triton" and device.type != "cuda" and dtype != torch.float32:
+        raise ValueError("backend='triton' on CPU tensors (the Triton interpreter) supports float32 only: the "
+                         "interpreter's bf16/fp16 arithmetic is unreliable; use backend='torch'")
+    return b
+
+
+def linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, chunk_size=None,
+                    return_entropy=False, backend="auto"):
+    """Log-probs of `targets` (and the entropy) under softmax((hidden @ weight.T + bias) / temperature).
+
+    Never materialises the [T, V] logits: tokens are processed in chunks of `chunk_size` rows, and
+    backward recomputes each chunk's logits. Gradients flow to hidden, weight and bias from both outputs.
+
+    Args:
+        hidden: [T, H] bf16/fp16/fp32 final hidden states.
+        weight: [V, H] LM-head weight, hidden's dtype.
+        targets: [T] int64 (or int32) token ids in [0, V).
+        bias: [V] or None, hidden's dtype.
+        temperature: float > 0, the sampler's temperature (logits are divided by it).
+        chunk_size: rows per chunk; None picks about 32 MB of fp32 logits on CPU, 512 MB on CUDA.
+        return_entropy: also return the entropy -sum_v p log p of each token's distribution.
+        backend: "auto" (CUDA: "triton"; CPU: "torch") | "triton" | "torch".
+
+    Returns:
+        logprobs [T] float32, or (logprobs [T] float32, entropy [T] float32).
+
+    Example:
+        >>> import torch, compactionrl_fast as crf
+        >>> h, W = torch.randn(5, 8), torch.randn(11, 8)
+        >>> y = torch.tensor([0, 3, 10, 2, 2])
+        >>> lp, ent = crf.linear_logprobs(h, W, y, temperature=0.7, return_entropy=True, chunk_size=2)
+        >>> ref = torch.log_softmax(h @ W.T / 0.7, -1)
+        >>> torch.allclose(lp, ref[torch.arange(5), y], atol=1e-5)
+        True
+        >>> torch.allclose(ent, -(ref.exp() * ref).sum(-1), atol=1e-5)
+        True
+    """
+    temperature = _check_inputs(hidden, weight, targets, bias, temperature, chunk_size, return_entropy)
+    b = _resolve_backend(backend, hidden.device, hidden.dtype)
+    T, V = hidden.shape[0], weight.shape[0]
+    C = chunk_size if chunk_size is not None else default_chunk_size(T, V, hidden.device)
+    C = max(1, min(C, T))
+    return LinearLogprobsFunction.apply(hidden, weight, bias, targets.long().contiguous(), 1.0 / temperature, C,
+                                        return_entropy, b == "triton")

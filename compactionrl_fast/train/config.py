@@ -1,0 +1,197 @@
+"""Trainer configuration: the paper's recipe as defaults, the CPU demo's settings as an override.
+
+Every knob is a dataclass field. A config comes from defaults, then a YAML file, then CLI flags
+(`--actor-lr 1e-4` for top-level fields, `--set env.n_digits=8` for anything, nested included).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+
+@dataclass
+class ModelConfig:
+    """A small Hugging Face causal LM built from the environment's tokenizer, or a pretrained one."""
+    pretrained: Optional[str] = None  # HF name or path; None builds a fresh model of the sizes below
+    arch: str = "llama"  # "llama" or "qwen2"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+    max_positions: int = 512
+    dtype: str = "float32"  # training dtype of the weights: float32 | bfloat16
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm start on the scripted expert's demonstrations (fresh ones every step)."""
+    steps: int = 0
+    segments_per_step: int = 64
+    lr: float = 2e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.05  # cosine decay to lr * min_lr_ratio
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    """PPO with compaction. Defaults follow the paper (arXiv 2607.05378); see `demo_config` for the demo."""
+    seed: int = 0
+    run_dir: str = "runs/compactionrl"
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 2  # torch CPU threads (0 keeps torch's default)
+    # batch
+    rollouts_per_step: int = 128  # global batch of rollouts (all ranks together)
+    group_size: int = 1  # rollouts per task; 1 = no group baseline, the critic is the baseline
+    micro_batch_tokens: int = 16384  # gradient-accumulation chunk (packed tokens per forward)
+    # schedule
+    steps: int = 200  # actor updates
+    value_pretrain_steps: int = 50  # critic-only steps before the first actor update
+    critic_updates_per_step: int = 2
+    # optimisers (Adam)
+    actor_lr: float = 2e-6
+    critic_lr: float = 3e-6
+    adam_betas: tuple = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: Optional[float] = 1.0
+    # advantages (segment_gae)
+    gamma: float = 1.0
+    lam: Union[float, str] = "adaptive"
+    adaptive_alpha: float = 1.5
+    adaptive_length: str = "rollout"
+    lam_critic: Optional[float] = 1.0
+    cross_segment: str = "paper"  # paper | none | stitched
+    # losses (ppo_policy_loss, value_head_loss)
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: Optional[float] = None
+    tis_cap: Optional[float] = None  # truncated importance weight on rollout/trainer mismatch
+    value_clip: Optional[float] = None
+    loss_reduction: str = "token-mean"  # token-mean | segment-mean (ablation) | rollout-mean | sum
+    train_summary_tokens: bool = True  # False: the ablation with summary tokens out of the policy loss
+    temperature: float = 1.0  # rollout sampling temperature; log-probs are taken at the same one
+    # logging, evaluation, checkpoints
+    log_every: int = 1
+    gap_every: int = 10  # paper-vs-stitched advantage gap every N steps (0: never)
+    eval_every: int = 0  # 0: no evaluation during training
+    eval_rollouts: int = 512
+    checkpoint_every: int = 50  # 0: only at the end
+    progress: bool = True
+    # parts
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    env: dict = field(default_factory=dict)  # keyword arguments of the environment
+    rollout: dict = field(default_factory=dict)  # keyword arguments of the rollout config
+
+
+def demo_config(**overrides) -> TrainConfig:
+    """The CPU demo (DEMO-NOTES.md): tiny model, SFT warm start, bigger learning rates, short warm-up."""
+    cfg = TrainConfig(
+        run_dir="runs/demo", rollouts_per_step=64, steps=120, value_pretrain_steps=10,
+        actor_lr=1e-4, critic_lr=5e-4, clip_high=0.2, max_grad_norm=1.0, micro_batch_tokens=1 << 30,
+        gap_every=10, checkpoint_every=0,
+        sft=SFTConfig(steps=1200, segments_per_step=64, lr=2e-3),
+    )
+    return update(cfg, overrides)
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _coerce(value, default):
+    """Parse a CLI/YAML value to the type of the field's default where it is clear."""
+    if isinstance(value, str):
+        import yaml
+
+        value = yaml.safe_load(value) if value != "" else value
+    if isinstance(default, tuple) and isinstance(value, list):
+        return tuple(value)
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def update(cfg, values: dict):
+    """Return a copy of dataclass `cfg` with `values` applied; keys may be dotted ("sft.lr")."""
+    out = dataclasses.replace(cfg)
+    for key, value in values.items():
+        head, _, rest = key.replace("-", "_").partition(".")
+        names = {f.name for f in dataclasses.fields(out)}
+        if head not in names:
+            raise ValueError(f"unknown config key {key!r}; known: {sorted(names)}")
+        cur = getattr(out, head)
+        if dataclasses.is_dataclass(cur):
+            sub = value if not rest else {rest: value}
+            if not isinstance(sub, dict):
+                raise ValueError(f"config key {key!r} is a section; give a mapping or a dotted key")
+            setattr(out, head, update(cur, sub))
+        elif isinstance(cur, dict):
+            new = dict(cur)
+            if rest:
+                new[rest] = _coerce(value, new.get(rest))
+            else:
+                new.update(value)
+            setattr(out, head, new)
+        else:
+            if rest:
+                raise ValueError(f"config key {key!r}: {head} is not a section")
+            setattr(out, head, _coerce(value, cur))
+    return out
+
+
+def load_yaml(path: str) -> dict:
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config file must hold a mapping")
+    return data
+
+
+def add_arguments(parser: argparse.ArgumentParser, base: TrainConfig) -> None:
+    """`--config FILE`, `--set KEY=VALUE` (repeatable) and a flag per top-level scalar field."""
+    parser.add_argument("--config", help="YAML file with config fields (applied before the flags)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="any field, dotted for sections: --set sft.steps=500 --set env.n_digits=8")
+    for f in dataclasses.fields(base):
+        default = getattr(base, f.name)
+        if dataclasses.is_dataclass(default) or isinstance(default, (dict, tuple)):
+            continue
+        parser.add_argument("--" + f.name.replace("_", "-"), dest="cfg_" + f.name, default=None,
+                            metavar=type(default).__name__.upper() if default is not None else "VALUE",
+                            help=f"(default: {default})")
+
+
+def from_args(args: argparse.Namespace, base: TrainConfig) -> TrainConfig:
+    """Defaults < YAML file < flags < --set."""
+    cfg = base
+    if getattr(args, "config", None):
+        cfg = update(cfg, load_yaml(args.config))
+    flags = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
+    cfg = update(cfg, flags)
+    sets = {}
+    for item in getattr(args, "set", None) or []:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        sets[key.strip()] = value
+    return update(cfg, sets)
+
+
+def dumps(cfg) -> str:
+    return json.dumps(to_dict(cfg), indent=1, default=str)
+
+
+def from_dict(data: dict, base: Any = None) -> TrainConfig:
+    return update(base if base is not None else TrainConfig(), data)

@@ -1,0 +1,154 @@
+"""Actor and critic (Hugging Face causal LMs) and their packed forward over a `PackedBatch`.
+
+The actor is a causal LM. The critic is an independent copy of the actor's decoder plus a scalar value
+head (`value_head`), initialised from the actor. Both run over the packed batch: the attention
+sequences (`cu_attn`) are padded into [A, Lmax] with a key-padding mask on CPU (measured the fastest
+option for short sequences there), or run packed with flash-attention varlen (position ids) on GPU
+when the model was built with `attn_implementation="flash_attention_2"`.
+
+The log-prob and value of token t come from the hidden state at position t-1 of the same attention
+sequence (the state before the action), so only trainable tokens are ever sent through the heads.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def hf_config(cfg: ModelConfig, vocab_size: int, *, pad_token_id=None, bos_token_id=None, eos_token_id=None):
+    """A small Llama or Qwen2 config of the sizes in `cfg` for a vocabulary of `vocab_size`."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    kw = dict(vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+              num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+              num_key_value_heads=cfg.num_heads, max_position_embeddings=cfg.max_positions,
+              tie_word_embeddings=False, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+              eos_token_id=eos_token_id)
+    if cfg.arch == "llama":
+        return LlamaConfig(**kw)
+    if cfg.arch == "qwen2":
+        return Qwen2Config(**kw)
+    raise ValueError(f"model.arch must be 'llama' or 'qwen2', got {cfg.arch!r}")
+
+
+def default_attn_implementation(device) -> str:
+    """flash_attention_2 on CUDA where flash-attn is installed, else SDPA."""
+    if torch.device(device).type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def build_actor(cfg: ModelConfig, vocab_size: int = None, *, device="cpu", attn_implementation=None, **token_ids):
+    """The actor: `cfg.pretrained` loaded from Hugging Face, or a fresh model from `hf_config`."""
+    from transformers import AutoModelForCausalLM
+
+    attn = attn_implementation or default_attn_implementation(device)
+    dtype = DTYPES[cfg.dtype]
+    if cfg.pretrained:
+        model = AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=dtype, attn_implementation=attn)
+    else:
+        if vocab_size is None:
+            raise ValueError("vocab_size is needed to build a fresh model (model.pretrained is not set)")
+        model = AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, **token_ids), dtype=dtype,
+                                                 attn_implementation=attn)
+    return model.to(device)
+
+
+class Critic(nn.Module):
+    """Decoder of the actor's architecture plus a scalar value head: `weight` [H], `bias` [1]."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        p = next(backbone.parameters())
+        # zero head: the critic starts predicting 0 and value pre-training fits it
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=p.dtype, device=p.device))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=p.dtype, device=p.device))
+
+    @property
+    def config(self):
+        return self.backbone.config
+
+
+def critic_from_actor(actor) -> Critic:
+    """An independent critic initialised from the actor's decoder weights."""
+    backbone = copy.deepcopy(actor.get_decoder())
+    return Critic(backbone, actor.config.hidden_size)
+
+
+def decoder(model) -> nn.Module:
+    return model.backbone if isinstance(model, Critic) else model.get_decoder()
+
+
+# ----------------------------------------------------------------------------------------------
+# packed forward
+
+
+def packed_hidden(model, input_ids, position_ids, cu_attn):
+    """Last hidden states [T, H] of the decoder of `model` (actor or critic) over packed sequences.
+
+    Args:
+        input_ids: [T] int64; position_ids: [T] int64 (0 at the start of each attention sequence);
+        cu_attn: [A+1] int64 attention-sequence offsets.
+    """
+    dec = decoder(model)
+    T = input_ids.numel()
+    if getattr(dec.config, "_attn_implementation", "") == "flash_attention_2":
+        # one packed row: HF derives the varlen boundaries from the position-id restarts
+        out = dec(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
+        return out.last_hidden_state[0]
+    lens = cu_attn.diff().long()
+    keep = lens > 0  # empty sequences would give fully masked rows
+    starts, lens = cu_attn[:-1].long()[keep], lens[keep]
+    A, L = lens.numel(), int(lens.max()) if lens.numel() else 0
+    seq = torch.repeat_interleave(torch.arange(A, device=input_ids.device), lens, output_size=T)
+    col = torch.arange(T, device=input_ids.device) - starts[seq]
+    ids = input_ids.new_zeros(A, L).index_put_((seq, col), input_ids)
+    pos = position_ids.new_zeros(A, L).index_put_((seq, col), position_ids)
+    mask = torch.zeros(A, L, dtype=torch.long, device=input_ids.device).index_put_(
+        (seq, col), torch.ones_like(col))
+    out = dec(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    return out.last_hidden_state[seq, col]
+
+
+def action_index(loss_mask, cu_attn):
+    """Positions [N] of the trainable tokens; raise if one starts an attention sequence (no state before it)."""
+    idx = loss_mask.nonzero()[:, 0]
+    starts = cu_attn[:-1][cu_attn.diff() > 0]
+    if idx.numel() and bool(torch.isin(idx, starts).any()):
+        raise ValueError("loss_mask is True on the first token of an attention sequence: nothing predicts it")
+    return idx
+
+
+def actor_logprobs(actor, batch, idx, *, temperature=1.0, return_entropy=False):
+    """Log-probs [N] (and entropies [N]) of the tokens at positions `idx` under the actor, via `linear_logprobs`."""
+    from ..ops import linear_logprobs
+
+    hidden = packed_hidden(actor, batch.input_ids, batch.position_ids, batch.cu_attn)
+    head = actor.get_output_embeddings()
+    return linear_logprobs(hidden[idx - 1], head.weight, batch.input_ids[idx], bias=head.bias,
+                           temperature=temperature, return_entropy=return_entropy)
+
+
+def critic_hidden(critic, batch, idx):
+    """Hidden states [N, H] of the states before the tokens at positions `idx` (input of the value head)."""
+    hidden = packed_hidden(critic, batch.input_ids, batch.position_ids, batch.cu_attn)
+    return hidden[idx - 1]
+
+
+def critic_values(critic, batch, idx):
+    """Values [N] float32 of the states before the tokens at positions `idx`, via `value_head`."""
+    from ..ops import value_head
+
+    return value_head(critic_hidden(critic, batch, idx), critic.weight, critic.bias)

@@ -1,0 +1,436 @@
+"""Benchmark of `segment_gae` against the GAE formulations trainers use, and a plain C scan.
+
+    python benchmarks/bench_gae.py [--quick] [--json PATH] [--device cpu|cuda]
+    pytest benchmarks/bench_gae.py --benchmark-only        (small sizes, a smoke run)
+
+Shapes are packed batches of rollouts x tokens with ~30% observation tokens in runs (assistant runs of
+~140 tokens, observation runs of ~60, geometric lengths), one segment per rollout or 3 (exec, summary,
+exec). Formulations timed on each shape, all computing the same thing (gamma=1, lam=0.95 constant,
+cross_segment="none", returns = advantages + values) and checked against the first backend's output once
+before timing, so a broken baseline cannot win:
+
+- every available backend of `compactionrl_fast.segment_gae` on the device ("cpp" on CPU; "triton" and
+  "cuda" on CUDA), plus the same backend on the paper's recipe (defaults: cross_segment="paper",
+  adaptive lambda per rollout, a second lam_critic=1 recurrence for the returns);
+- "torch oracle": backend="torch", the float64 python-loop reference; only on the small shape;
+- "per-step loop": `reference.masked_gae` on the padded [S, L] layout trainers keep (one row per
+  segment): a python loop over the L time steps, vectorised masked torch ops over the S rows. Only the
+  loop is timed, not the padding;
+- "vectorised torch": `vectorised_gae` below, packed in, packed out, no python loop over time;
+- "C scan": a plain single-threaded C reverse scan over the packed tokens (gcc -O3 at benchmark time,
+  called through ctypes), one segment at a time, skipping masked tokens; outputs allocated by torch per
+  call like every other formulation. The speed-of-light baseline.
+
+GB/s counts the bytes of one read of rewards, values, mask and one write of advantages and returns
+(17 bytes per token) for every formulation. On CUDA a device-to-device copy of the same byte count is
+timed too, and every row's share of its bandwidth is reported.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import compactionrl_fast as crf  # noqa: E402
+from compactionrl_fast.ops._dispatch import available  # noqa: E402
+from compactionrl_fast.reference.gae import masked_gae  # noqa: E402
+
+from benchmarks import _harness as H  # noqa: E402
+
+GAMMA, LAM = 1.0, 0.95
+BYTES_PER_TOKEN = 4 + 4 + 1 + 4 + 4  # rewards, values, mask read; advantages, returns written
+
+# name: (rollouts, tokens per rollout, segments per rollout (0: random 1..4), random rollout lengths)
+SHAPES = {
+    "8x1024": (8, 1024, 1, False),  # small: every formulation, the float64 oracle included
+    "128x8192": (128, 8192, 1, False),
+    "128x8192 3seg": (128, 8192, 3, False),
+    "16x65536": (16, 65536, 1, False),
+    "16x65536 3seg": (16, 65536, 3, False),
+    "1M varlen": (128, 8192, 0, True),  # 2^20 tokens, rollout lengths 0.25..2x the mean, 1..4 segments
+}
+QUICK_SHAPES = {
+    "4x512": (4, 512, 1, False),
+    "32x1024": (32, 1024, 1, False),
+    "8x2048 3seg": (8, 2048, 3, False),
+}
+CUDA_SHAPES = {"512x32768": (512, 32768, 1, False)}  # 16M tokens, for the copy-bandwidth target
+ORACLE_MAX_TOKENS = 10_000  # the python-loop oracle takes ~seconds per 10K tokens
+
+
+# ---------------------------------------------------------------- batches
+
+
+def _split(total: int, weights: torch.Tensor) -> list[int]:
+    """Integer parts of `total` proportional to `weights`, summing exactly to `total`."""
+    parts = (weights / weights.sum() * total).floor().long()
+    parts[-1] += total - int(parts.sum())
+    return parts.tolist()
+
+
+def make_batch(rollouts, length, segments=1, varlen=False, *, seed=0, device="cpu"):
+    """Packed batch (SPEC section 3) of `rollouts` x `length` tokens (exactly, also when varlen).
+
+    Segments follow the compaction pattern exec, summary, exec, ...: a summary gets ~5% of a rollout's
+    tokens. The mask alternates trainable runs (mean 140 tokens) and observation runs (mean 60).
+    Rewards: a random final reward per rollout on the last trainable token of each segment ("paper").
+    """
+    g = torch.Generator().manual_seed(seed)
+    T = rollouts * length
+    lens = _split(T, torch.rand(rollouts, generator=g) * 1.75 + 0.25) if varlen else [length] * rollouts
+    seq, segs = [0], [0]
+    for n in lens:
+        k = int(torch.randint(1, 5, (), generator=g)) if segments == 0 else segments
+        w = torch.tensor([0.05 if i % 2 else 0.5 + float(torch.rand((), generator=g)) for i in range(k)])
+        for part in _split(n, w):
+            seq.append(seq[-1] + part)
+        segs.append(segs[-1] + k)
+    n_runs = 2 * (T // 100 + 64)
+    p = torch.tensor([1 / 140, 1 / 60]).repeat(n_runs // 2)
+    run_len = _geometric(p, g)
+    on = torch.tensor([True, False]).repeat(n_runs // 2)
+    mask = torch.repeat_interleave(on, run_len)[:T]
+    if mask.numel() < T:  # vanishingly unlikely; pad with trainable tokens
+        mask = torch.cat([mask, torch.ones(T - mask.numel(), dtype=torch.bool)])
+    cu_seqlens = torch.tensor(seq, dtype=torch.int32)
+    cu_segments = torch.tensor(segs, dtype=torch.int32)
+    rewards = crf.place_final_rewards(torch.randn(rollouts, generator=g), mask, cu_seqlens, cu_segments)
+    values = torch.randn(T, generator=g)
+    b = dict(rewards=rewards, values=values, loss_mask=mask, cu_seqlens=cu_seqlens, cu_segments=cu_segments)
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def _geometric(p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Run lengths >= 1 with mean 1/p (inverse-CDF sampling, so the generator is honoured)."""
+    u = torch.rand(p.shape, generator=g, dtype=torch.float64).clamp_min(1e-12)
+    return (torch.log(u) / torch.log1p(-p.double())).floor().long() + 1
+
+
+def describe(b) -> dict:
+    T, S = b["loss_mask"].numel(), b["cu_seqlens"].numel() - 1
+    return {"tokens": T, "rollouts": b["cu_segments"].numel() - 1, "segments": S,
+            "trainable": round(float(b["loss_mask"].float().mean()), 3)}
+
+
+def to_padded(x, cu_seqlens, fill=0):
+    """Packed [T] -> padded [S, L_max] (one row per segment), the layout trainers keep."""
+    lens = cu_seqlens.diff().long()
+    S, L = lens.numel(), int(lens.max()) if lens.numel() else 0
+    seg = torch.repeat_interleave(torch.arange(S, device=x.device), lens, output_size=x.numel())
+    col = torch.arange(x.numel(), device=x.device) - cu_seqlens.long()[:-1][seg]
+    out = torch.full((S, L), fill, dtype=x.dtype, device=x.device)
+    out[seg, col] = x
+    return out, seg, col
+
+
+# ---------------------------------------------------------------- formulations
+
+
+def run_backend(b, backend):
+    """segment_gae at the shared setting: constant lam, no cross-segment term, returns = adv + values."""
+    return crf.segment_gae(b["rewards"], b["values"], b["loss_mask"], b["cu_seqlens"], b["cu_segments"],
+                           gamma=GAMMA, lam=LAM, cross_segment="none", lam_critic=None, backend=backend)
+
+
+def run_recipe(b, backend):
+    """segment_gae with the paper's defaults (paper correction, adaptive lambda, lam_critic=1)."""
+    return crf.segment_gae(b["rewards"], b["values"], b["loss_mask"], b["cu_seqlens"], b["cu_segments"],
+                           backend=backend)
+
+
+def reverse_linear_scan(x, c: float, block: int = 32):
+    """y[..., k] = x[..., k] + c * y[..., k+1] along the last dim (y past the end = 0), no loop over k.
+
+    Each block of `block` steps solves its local scan with one matmul by the [block, block] matrix
+    M[j, i] = c^(j-i) (j >= i). The full value at a block's first step obeys the same recurrence over
+    blocks with coefficient c^block, solved recursively; each step then adds c^(block-i) times the
+    next block's first value. Only non-negative powers of c appear, so nothing overflows.
+    """
+    n = x.shape[-1]
+    pad = (-n) % block
+    xb = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (-1, block))  # [..., nb, block]
+    k = torch.arange(block, device=x.device, dtype=torch.float64)
+    e = k[:, None] - k[None, :]  # j - i
+    M = torch.where(e >= 0, torch.pow(c, e.clamp_min(0)), 0.0).to(x.dtype)
+    y = xb @ M  # local scans
+    if y.shape[-2] > 1:
+        first = reverse_linear_scan(y[..., 0], c ** block, block)  # [..., nb] full value at block starts
+        nxt = torch.nn.functional.pad(first[..., 1:], (0, 1))  # next block's first value, 0 at the end
+        decay = torch.pow(c, block - k).to(x.dtype)  # c^(block - i)
+        y = y + nxt[..., None] * decay
+    return y.flatten(-2)[..., :n]
+
+
+def vectorised_gae(rewards, values, loss_mask, cu_seqlens, gamma=GAMMA, lam=LAM):
+    """GAE over packed segments with torch ops only (constant lam, no cross-segment term).
+
+    Trainable tokens are compacted per segment into a zero-padded [S, N_max] matrix (observation tokens
+    are skipped, not steps; zero padding gives V_{n+1} = A_{n+1} = 0), the TD residuals are one
+    vectorised expression, and A = delta + gamma*lam*A_next is a blocked linear scan. Float32 throughout.
+    """
+    T, S = loss_mask.numel(), cu_seqlens.numel() - 1
+    dev = loss_mask.device
+    idx = loss_mask.nonzero().squeeze(1)  # [n] trainable positions
+    seg = torch.searchsorted(cu_seqlens.long(), idx, right=True) - 1  # [n] their segments
+    n_seg = torch.bincount(seg, minlength=S)
+    col = torch.arange(idx.numel(), device=dev) - (n_seg.cumsum(0) - n_seg)[seg]
+    N = int(n_seg.max()) + 1 if S else 1
+    flat = seg * N + col
+    r = torch.zeros(S * N, device=dev).index_put_((flat,), rewards[idx]).view(S, N)
+    v = torch.zeros(S * N, device=dev).index_put_((flat,), values[idx]).view(S, N)
+    delta = r[:, :-1] + gamma * v[:, 1:] - v[:, :-1]  # [S, N-1]; the last column is always padding
+    a = reverse_linear_scan(delta, gamma * lam).reshape(-1)
+    adv = torch.zeros(T, device=dev)
+    ret = torch.zeros(T, device=dev)
+    a_tok = a[seg * (N - 1) + col]
+    adv[idx] = a_tok
+    ret[idx] = a_tok + values[idx]
+    return adv, ret
+
+
+_C_SOURCE = r"""
+#include <stdint.h>
+/* GAE reverse scan, one segment at a time; observation tokens are skipped, not steps. */
+void gae_scan(const float* r, const float* v, const uint8_t* m, const int64_t* cu, int64_t S,
+              float gamma, float lam, float* adv, float* ret) {
+  const float gl = gamma * lam;
+  for (int64_t s = 0; s < S; ++s) {
+    float a = 0.f, v_next = 0.f;
+    for (int64_t t = cu[s + 1] - 1; t >= cu[s]; --t) {
+      if (m[t]) {
+        a = r[t] + gamma * v_next - v[t] + gl * a;
+        v_next = v[t];
+        adv[t] = a;
+        ret[t] = a + v[t];
+      } else {
+        adv[t] = 0.f;
+        ret[t] = 0.f;
+      }
+    }
+  }
+}
+"""
+
+
+class CScan:
+    """The plain C scan, compiled with `$CC -O3` (default gcc) into a temporary shared library."""
+
+    def __init__(self):
+        cc = os.environ.get("CC", "gcc")
+        if shutil.which(cc) is None:
+            raise RuntimeError(f"no C compiler ({cc})")
+        self.dir = tempfile.mkdtemp(prefix="crf_bench_")
+        src, lib = os.path.join(self.dir, "scan.c"), os.path.join(self.dir, "scan.so")
+        with open(src, "w") as f:
+            f.write(_C_SOURCE)
+        subprocess.run([cc, "-O3", "-shared", "-fPIC", src, "-o", lib], check=True, capture_output=True)
+        self.lib = ctypes.CDLL(lib)
+        self.lib.gae_scan.restype = None
+        self.lib.gae_scan.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_float, ctypes.c_float,
+                                                              ctypes.c_void_p, ctypes.c_void_p]
+
+    def __call__(self, rewards, values, mask_u8, cu64, gamma=GAMMA, lam=LAM):
+        """rewards, values [T] float32, mask_u8 [T] uint8, cu64 [S+1] int64, all contiguous CPU."""
+        adv, ret = torch.empty_like(rewards), torch.empty_like(rewards)
+        self.lib.gae_scan(rewards.data_ptr(), values.data_ptr(), mask_u8.data_ptr(), cu64.data_ptr(),
+                          cu64.numel() - 1, gamma, lam, adv.data_ptr(), ret.data_ptr())
+        return adv, ret
+
+
+_C_SCAN = None
+
+
+def c_scan():
+    global _C_SCAN
+    if _C_SCAN is None:
+        _C_SCAN = CScan()
+    return _C_SCAN
+
+
+# ---------------------------------------------------------------- the run
+
+
+def check(name, got, want):
+    """Raise if a formulation's (adv, ret) differ from the backend's beyond float32 rounding."""
+    for what, x, y in zip(("advantages", "returns"), got, want):
+        try:
+            torch.testing.assert_close(x.float().cpu(), y.float().cpu(), rtol=1e-4, atol=1e-4)
+        except AssertionError as e:
+            raise AssertionError(f"{name} disagrees with the reference backend on {what}: {e}") from None
+
+
+def formulations(b, device, *, oracle: bool):
+    """(name, zero-argument callable returning packed (adv, ret), timed callable, timing kwargs) tuples."""
+    out = []
+    backends = [x for x in available(device) if x != "torch"]
+    for be in backends:
+        out.append((be, lambda be=be: run_backend(b, be), None, {}))
+    for be in backends:
+        out.append((f"{be} recipe", None, lambda be=be: run_recipe(b, be), {}))
+    if oracle:
+        out.append(("torch oracle", lambda: run_backend(b, "torch"), None, dict(warmup=1, min_reps=3)))
+    r, seg, col = to_padded(b["rewards"], b["cu_seqlens"])
+    v, _, _ = to_padded(b["values"], b["cu_seqlens"])
+    m, _, _ = to_padded(b["loss_mask"], b["cu_seqlens"], fill=False)
+    loop = lambda: masked_gae(r, v, m, GAMMA, LAM)
+    out.append(("per-step loop", lambda: tuple(x[seg, col] for x in loop()), loop,
+                dict(warmup=1, min_reps=3, memory=False)))
+    out.append(("vectorised torch", lambda: vectorised_gae(b["rewards"], b["values"], b["loss_mask"],
+                                                           b["cu_seqlens"]), None, {}))
+    if device.type == "cpu":
+        try:
+            scan = c_scan()
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
+            print(f"note: C scan skipped: {e}")
+        else:
+            m8, cu64 = b["loss_mask"].view(torch.uint8), b["cu_seqlens"].long()
+            out.append(("C scan", lambda: scan(b["rewards"], b["values"], m8, cu64), None, {}))
+    return out
+
+
+def bench_shape(shape, spec, device, *, budget_s):
+    b = make_batch(*spec, device=device)
+    T = b["loss_mask"].numel()
+    config = {"shape": shape, **describe(b)}
+    nbytes = BYTES_PER_TOKEN * T
+    rows, want = [], None
+    for name, fn, timed, kw in formulations(b, device, oracle=T <= ORACLE_MAX_TOKENS):
+        if fn is not None:
+            got = fn()
+            if want is None:
+                want = got  # the first backend is the reference of the others
+            else:
+                check(name, got, want)
+        memory = kw.pop("memory", True)
+        setting = "paper, adaptive lam, lam_critic=1" if name.endswith("recipe") else "none, lam=0.95"
+        rows.append(H.measure(name, timed or fn, device=device, nbytes=nbytes, memory=memory,
+                              config={**config, "setting": setting}, budget_s=budget_s, **kw))
+    if device.type == "cuda":  # device-to-device copy of the same byte count: the bandwidth ceiling
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+        rows.append(H.measure("d2d copy", lambda: src.clone(), device=device, nbytes=nbytes,
+                              config={**config, "setting": "-"}, budget_s=budget_s))
+        copy = rows[-1]["gbps"]
+        for r in rows:
+            r["of_copy_bw"] = r["gbps"] / copy
+    return rows
+
+
+COLUMNS = [("shape", "shape", ""), ("name", "formulation", ""), ("median_ms", "median ms", ".3f"),
+           ("min_ms", "min ms", ".3f"), ("reps", "reps", "d"), ("gbps", "GB/s", ".2f"),
+           ("x_loop", "speedup vs loop", ".1f"), ("x_c", "speedup vs C scan", ".2f"),
+           ("peak_mib", "peak MiB", ".1f"), ("faults_per_call", "faults/call", ".0f")]
+
+
+def run(shapes, device, *, budget_s=1.0):
+    if device.type == "cpu":
+        H.settle_malloc()
+    rows = []
+    for shape, spec in shapes.items():
+        print(f"... {shape}", file=sys.stderr, flush=True)
+        rows += bench_shape(shape, spec, device, budget_s=budget_s)
+    H.add_speedups(rows, "per-step loop", "x_loop")
+    H.add_speedups(rows, "C scan", "x_c")
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small shapes (seconds), for CI")
+    p.add_argument("--json", help="write rows to this JSON path (and a markdown table next to it, .md)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--budget", type=float, default=1.0, help="seconds of timing per row (min 3 reps)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    shapes = dict(QUICK_SHAPES if args.quick else SHAPES)
+    if device.type == "cuda" and not args.quick:
+        shapes.update(CUDA_SHAPES)
+    rows = run(shapes, device, budget_s=args.budget)
+    columns = COLUMNS + ([("of_copy_bw", "of copy BW", ".0%")] if device.type == "cuda" else [])
+    env = H.environment(device)
+    notes = [f"settings: gamma={GAMMA}, lam={LAM}, cross_segment='none', returns = adv + values, unless "
+             "'recipe' (segment_gae defaults). Byte count: 17 bytes/token (rewards, values, mask, adv, ret).",
+             f"'torch oracle' (float64 python loops) only on shapes <= {ORACLE_MAX_TOKENS} tokens: it needs "
+             "minutes for 1M tokens. 'per-step loop' times the loop on the padded layout (padding untimed), "
+             "peak memory not profiled (L x ~8 ops). 'C scan' is single-threaded; segment_gae cpp uses "
+             f"{torch.get_num_threads()} threads."]
+    text = H.format_table(rows, columns)
+    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | git {env['git']} | {env['date']} "
+          f"| load {env['loadavg_at_start']}")
+    print(text)
+    for n in notes:
+        print("note:", n)
+    if args.json:
+        cmd = H.command_line()
+        H.write_json(args.json, rows, command=cmd, env=env, notes=notes)
+        md = os.path.splitext(args.json)[0] + ".md"
+        with open(md, "w") as f:
+            f.write(f"# segment_gae benchmark ({device.type})\n\nCommand: `{cmd}`\n\n"
+                    + "".join(f"- {k}: {v}\n" for k, v in env.items()) + "\n"
+                    + H.markdown_table(rows, columns) + "\n\n" + "".join(f"- {n}\n" for n in notes))
+        print(f"wrote {args.json} and {md}")
+    return rows
+
+
+# ---------------------------------------------------------------- pytest-benchmark (small sizes)
+
+_SMALL = (16, 2048, 3, False)
+
+
+def _small():
+    if "b" not in _small.__dict__:
+        _small.b = make_batch(*_SMALL)
+    return _small.b
+
+
+def _cpp_or_skip():
+    import pytest
+
+    if "cpp" not in available(torch.device("cpu")):
+        pytest.skip("the C++ extension is not built")
+
+
+def test_segment_gae_cpp(benchmark):
+    _cpp_or_skip()
+    b = _small()
+    got = benchmark(run_backend, b, "cpp")
+    check("cpp", got, c_scan()(b["rewards"], b["values"], b["loss_mask"].view(torch.uint8), b["cu_seqlens"].long()))
+
+
+def test_segment_gae_cpp_recipe(benchmark):
+    _cpp_or_skip()
+    benchmark(run_recipe, _small(), "cpp")
+
+
+def test_per_step_loop(benchmark):
+    _cpp_or_skip()
+    b = _small()
+    (r, seg, col), (v, _, _), (m, _, _) = (to_padded(b[k], b["cu_seqlens"]) for k in ("rewards", "values", "loss_mask"))
+    adv, ret = benchmark(masked_gae, r, v, m, GAMMA, LAM)
+    check("per-step loop", (adv[seg, col], ret[seg, col]), run_backend(b, "cpp"))
+
+
+def test_vectorised_torch(benchmark):
+    _cpp_or_skip()
+    b = _small()
+    got = benchmark(vectorised_gae, b["rewards"], b["values"], b["loss_mask"], b["cu_seqlens"])
+    check("vectorised torch", got, run_backend(b, "cpp"))
+
+
+def test_c_scan(benchmark):
+    _cpp_or_skip()
+    b = _small()
+    got = benchmark(c_scan(), b["rewards"], b["values"], b["loss_mask"].view(torch.uint8), b["cu_seqlens"].long())
+    check("C scan", got, run_backend(b, "cpp"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Rollout throughput of an engine on the built-in memory task (DEMO-NOTES-sized model by default).
+
+    python -m compactionrl_fast.rollout.bench --batch 64 --repeats 5
+
+Prints rollouts/s and tokens/s (generated tokens, and packed tokens without / with prefix sharing) as
+JSON. A random model writes long, junk responses; --expert-warmup N first fits the model to N steps of
+expert demonstrations so that responses have the demo's lengths.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+
+def _sft(model, steps, batch, lr=3e-3):
+    """A few quick supervised steps on expert demonstrations (for realistic response lengths)."""
+    from ..envs import expert_rollouts
+    from ..packing import pack
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for step in range(steps):
+        b = pack(expert_rollouts(batch, seed=1000 + step, drop_oldest_p=0.0))
+        loss = 0.0
+        for a0, a1 in zip(b.cu_attn[:-1].tolist(), b.cu_attn[1:].tolist()):
+            ids = b.input_ids[a0:a1][None]
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            m = b.loss_mask[a0 + 1:a1]
+            loss = loss + torch.nn.functional.cross_entropy(logits[m], ids[0, 1:][m], reduction="sum")
+        (loss / b.num_trainable).backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+
+
+def main(argv=None):
+    from ..envs import MemoryEnv, memory_config, memory_tokenizer, tiny_llama
+    from ..packing import pack
+    from .engines import TransformersEngine
+    from .loop import run_rollouts
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--expert-warmup", type=int, default=0, help="SFT steps on expert demos before timing")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tok = memory_tokenizer()
+    model = tiny_llama(len(tok))
+    if args.expert_warmup:
+        _sft(model, args.expert_warmup, 16)
+    eng = TransformersEngine(model, pad_token_id=tok.pad_token_id)
+    cfg = memory_config(temperature=args.temperature)
+    times, gen_tokens, packed, shared, compactions = [], [], [], [], []
+    for rep in range(args.repeats + 1):
+        envs = [MemoryEnv() for _ in range(args.batch)]
+        t0 = time.perf_counter()
+        ros = run_rollouts(eng, envs, tok, cfg, seeds=[rep * args.batch + i for i in range(args.batch)])
+        dt = time.perf_counter() - t0
+        if rep == 0:
+            continue  # warm-up
+        times.append(dt)
+        gen_tokens.append(sum(r.num_trainable for r in ros))
+        packed.append(pack(ros).num_tokens)
+        shared.append(pack(ros, prefix_sharing=True).num_tokens)
+        compactions.append(sum(r.compactions for r in ros) / len(ros))
+    t = statistics.median(times)
+    print(json.dumps({
+        "engine": "transformers", "batch": args.batch, "threads": torch.get_num_threads(),
+        "params": sum(p.numel() for p in model.parameters()), "expert_warmup": args.expert_warmup,
+        "seconds_per_batch_median": round(t, 4), "rollouts_per_s": round(args.batch / t, 1),
+        "generated_tokens_per_s": round(statistics.median(gen_tokens) / t, 1),
+        "packed_tokens_per_s": round(statistics.median(packed) / t, 1),
+        "packed_tokens_per_rollout": round(statistics.median(packed) / args.batch, 1),
+        "shared_tokens_per_rollout": round(statistics.median(shared) / args.batch, 1),
+        "compactions_per_rollout": round(statistics.mean(compactions), 2),
+        "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+    }))
+
+
+if __name__ == "__main__":
+    main()

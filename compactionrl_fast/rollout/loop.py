@@ -1,0 +1,227 @@
+"""The batched compaction loop (SPEC section 2): generate -> observe -> after each complete turn, compact
+when C - |h_t| < T_comp -> rebuild -> ... for many rollouts at once.
+
+Every round sends one generation request per unfinished rollout (its next response, or its summary) to the
+engine in a single batch; environment steps of the round run concurrently when they are coroutines.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import traceback
+
+from .compaction import ChatFormat, needs_compaction, rebuild
+from .config import RolloutConfig
+from .records import EXEC, SUMMARY, Rollout, Segment, Turn
+
+
+class Environment:
+    """The environment protocol (duck-typed; subclassing is optional).
+
+    reset(seed) -> (system, task): the system prompt and the task text.
+    step(action) -> (observation, done, reward) or (observation, done, reward, info): `action` is the
+        decoded response (its stop token removed); `info` (a dict) is merged into Rollout.info.
+    Either method may be a coroutine function. An exception ends only that rollout (finish_reason
+    "error"). The final reward of a rollout is the sum of its step rewards.
+    """
+
+    def reset(self, seed):
+        raise NotImplementedError
+
+    def step(self, action: str):
+        raise NotImplementedError
+
+
+class _State:
+    """One rollout in flight: its current working context and window bookkeeping."""
+
+    def __init__(self, env, seed):
+        self.env, self.out = env, Rollout(seed=seed)
+        self.system = self.task = ""
+        self.ctx, self.mask, self.lps = [], [], []  # current window: [L] ids, trainable flags, log-probs
+        self.turns = []  # token lists of the turns in the current context (kept + new), oldest first
+        self.env_reward, self.phase = 0.0, "act"
+
+    def extend(self, ids, trainable=False, logprobs=None):
+        self.ctx.extend(ids)
+        self.mask.extend([trainable] * len(ids))
+        self.lps.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+    def close_window(self):
+        self.out.segments.append(Segment(EXEC, list(self.ctx), list(self.mask), list(self.lps)))
+
+    def finish(self, reason, reward, error=None):
+        self.close_window()
+        self.out.finish_reason, self.out.reward, self.out.error = reason, float(reward), error
+        self.phase = "finished"
+
+
+async def _call_all(calls):
+    """Run calls (fn, args); await coroutines concurrently. Returns results or raised exceptions."""
+    results = [None] * len(calls)
+    pending = []
+    for i, (fn, args) in enumerate(calls):
+        try:
+            r = fn(*args)
+        except Exception as e:  # noqa: BLE001 -- an environment error ends only its rollout
+            r = e
+        if inspect.isawaitable(r):
+            pending.append((i, r))
+        results[i] = r
+    if pending:
+        done = await asyncio.gather(*(p for _, p in pending), return_exceptions=True)
+        for (i, _), r in zip(pending, done):
+            results[i] = r
+    return results
+
+
+def _error_text(e: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(e), e)).strip()
+
+
+async def arun_rollouts(engine, envs, tokenizer, config: RolloutConfig | None = None, seeds=None, *, chat=None):
+    """Run one rollout per environment to the end; the async form of `run_rollouts`."""
+    config = config or RolloutConfig()
+    chat = chat or ChatFormat(tokenizer)
+    envs = list(envs)
+    seeds = list(range(len(envs))) if seeds is None else list(seeds)
+    if len(seeds) != len(envs):
+        raise ValueError(f"seeds must have one entry per environment ({len(envs)}), got {len(seeds)}")
+    stops = tuple(sorted(set(chat.stop_token_ids) | set(config.stop_token_ids)))
+    q_sum = chat.user_message(chat.encode(config.summary_instruction))
+    marker = chat.encode(config.truncation_marker)
+    C = config.budget
+    states = [_State(e, s) for e, s in zip(envs, seeds)]
+
+    for st, r in zip(states, await _call_all([(st.env.reset, (st.out.seed,)) for st in states])):
+        if isinstance(r, BaseException):
+            st.out.finish_reason, st.out.reward, st.out.error = "error", float(config.error_reward), _error_text(r)
+            st.phase = "finished"
+            continue
+        st.system, st.task = r
+        st.extend(chat.head(st.system, st.task))
+
+    round_idx = 0
+    while True:
+        live = [st for st in states if st.phase != "finished"]
+        if not live:
+            break
+        prompts, caps, reqs = [], [], []
+        for st in live:
+            if st.phase == "act":
+                cap = min(config.max_response_tokens, C - len(st.ctx) - len(chat.gen_prompt) - len(chat.assistant_end))
+                if cap <= 0:  # no room for a response
+                    if st.out.compactions < config.max_compactions:
+                        st.phase = "summarize"
+                    else:
+                        st.finish("context_full", _truncated_reward(st, config))
+                        continue
+                else:
+                    prompts.append(st.ctx + chat.gen_prompt)
+                    caps.append(cap)
+                    reqs.append(st)
+                    continue
+            prompts.append(st.ctx + q_sum + chat.gen_prompt)
+            caps.append(config.summary_cap)
+            reqs.append(st)
+        if not reqs:
+            continue
+        seed = None if config.seed is None else config.seed * 1_000_003 + round_idx
+        gens = engine.generate(prompts, caps, temperature=config.temperature, top_p=config.top_p,
+                               stop_token_ids=stops, seed=seed)
+        round_idx += 1
+        acting = []
+        for st, g in zip(reqs, gens):
+            if st.phase == "summarize":
+                _compact(st, g, chat, config, q_sum, stops)
+            else:
+                acting.append((st, g))
+        results = await _call_all([(st.env.step, (_action_text(chat, g.token_ids, stops),)) for st, g in acting])
+        for (st, g), r in zip(acting, results):
+            _after_step(st, g, r, chat, config, marker, stops)
+    return [st.out for st in states]
+
+
+def _truncated_reward(st, config):
+    return config.truncated_reward if config.truncated_reward is not None else st.env_reward
+
+
+def _action_text(chat, ids, stops):
+    return chat.decode(ids[:-1] if ids and ids[-1] in stops else ids)
+
+
+def _after_step(st, g, r, chat, config, marker, stops):
+    """Append the turn (response + observation) to the context; end the rollout or schedule a summary."""
+    C, T = config.budget, config.compact_threshold
+    n0 = len(st.ctx)
+    st.extend(chat.gen_prompt)
+    st.extend(g.token_ids, True, g.logprobs)
+    st.extend(chat.close_response(g.token_ids))
+    action = _action_text(chat, g.token_ids, stops)
+    if isinstance(r, BaseException):
+        st.out.turns.append(Turn(action, "", len(g.token_ids), 0, st.out.compactions))
+        st.finish("error", config.error_reward, _error_text(r))
+        return
+    obs, done, reward = r[0], bool(r[1]), float(r[2])
+    if len(r) > 3 and r[3]:
+        st.out.info.update(r[3])
+    st.env_reward += reward
+    content = chat.encode(obs) if (obs or not done) else None
+    cut = False
+    if content is not None:
+        room = C - len(st.ctx) - len(chat.user_pre) - len(chat.user_post)
+        if room < 0:  # not even an empty user message fits: the budget is exhausted
+            st.turns.append(st.ctx[n0:])
+            st.out.turns.append(Turn(action, obs, len(g.token_ids), 0, st.out.compactions, True))
+            if done:
+                st.finish("done", st.env_reward)
+            else:
+                st.finish("context_full", _truncated_reward(st, config))
+            return
+        if len(content) > room:  # cut the observation to fit, with a visible marker
+            content = (content[:max(room - len(marker), 0)] + marker)[:room]
+            cut = True
+        st.extend(chat.user_message(content))
+    st.turns.append(st.ctx[n0:])
+    st.out.turns.append(Turn(action, obs, len(g.token_ids), len(content or []), st.out.compactions, cut))
+    if done:
+        st.finish("done", st.env_reward)
+    elif len(st.out.turns) >= config.max_turns:
+        st.finish("max_turns", _truncated_reward(st, config))
+    elif needs_compaction(len(st.ctx), C, T) and st.out.compactions < config.max_compactions:
+        st.phase = "summarize"
+
+
+def _compact(st, g, chat, config, q_sum, stops):
+    """Record the execution window and the summary, then rebuild h' = s + resume(S) + last k turns."""
+    st.close_window()
+    prompt = st.ctx + q_sum + chat.gen_prompt
+    n = len(prompt)
+    st.out.segments.append(Segment(SUMMARY, prompt + list(g.token_ids), [False] * n + [True] * len(g.token_ids),
+                                   [0.0] * n + list(g.logprobs), shared_prefix=len(st.ctx)))
+    summary = list(g.token_ids[:-1] if g.token_ids and g.token_ids[-1] in stops else g.token_ids)
+    st.out.summaries.append(chat.decode(summary))
+    st.out.compactions += 1
+    head = chat.resume_head(st.system, st.task, summary, config.resume_template)
+    ids, k = rebuild(head, st.turns, config.keep_recent_turns, config.budget, config.compact_threshold)
+    st.turns = st.turns[len(st.turns) - k:]
+    st.ctx, st.mask, st.lps = [], [], []
+    st.extend(ids)
+    st.phase = "act"
+
+
+def run_rollouts(engine, envs, tokenizer, config: RolloutConfig | None = None, seeds=None, *, chat=None):
+    """Run one compaction rollout per environment with `engine`, all in one batched loop.
+
+    Args:
+        engine: an Engine (TransformersEngine, VLLMEngine, or the memory task's ScriptedExpert).
+        envs: environments (one per rollout) following the `Environment` protocol.
+        tokenizer: the policy's Hugging Face tokenizer; its chat template formats the conversation.
+        config: RolloutConfig (defaults: the paper's).
+        seeds: one reset seed per environment (default 0..n-1).
+        chat: a prebuilt ChatFormat (optional; saves re-deriving it every call).
+
+    Returns:
+        list of Rollout, in the order of `envs`. Call `arun_rollouts` from inside a running event loop.
+    """
+    return asyncio.run(arun_rollouts(engine, envs, tokenizer, config, seeds, chat=chat))

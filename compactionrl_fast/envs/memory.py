@@ -153,7 +153,8 @@ class ScriptedExpert(Engine):
             return " ".join(["answer"] + known)
         return "next"
 
-    def generate(self, prompts, max_new_tokens, *, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=None):
+    def generate(self, prompts, max_new_tokens, *, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=None,
+                 cache_keys=None):
         caps = caps_list(max_new_tokens, len(prompts))
         rng = random.Random(seed) if seed is not None else self._rng
         out = []

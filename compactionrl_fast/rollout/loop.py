@@ -35,8 +35,8 @@ class Environment:
 class _State:
     """One rollout in flight: its current working context and window bookkeeping."""
 
-    def __init__(self, env, seed):
-        self.env, self.out = env, Rollout(seed=seed)
+    def __init__(self, key, env, seed):
+        self.key, self.env, self.out = key, env, Rollout(seed=seed)
         self.system = self.task = ""
         self.ctx, self.mask, self.lps = [], [], []  # current window: [L] ids, trainable flags, log-probs
         self.turns = []  # token lists of the turns in the current context (kept + new), oldest first
@@ -91,7 +91,7 @@ async def arun_rollouts(engine, envs, tokenizer, config: RolloutConfig | None = 
     q_sum = chat.user_message(chat.encode(config.summary_instruction))
     marker = chat.encode(config.truncation_marker)
     C = config.budget
-    states = [_State(e, s) for e, s in zip(envs, seeds)]
+    states = [_State(i, e, s) for i, (e, s) in enumerate(zip(envs, seeds))]
 
     for st, r in zip(states, await _call_all([(st.env.reset, (st.out.seed,)) for st in states])):
         if isinstance(r, BaseException):
@@ -106,7 +106,7 @@ async def arun_rollouts(engine, envs, tokenizer, config: RolloutConfig | None = 
         live = [st for st in states if st.phase != "finished"]
         if not live:
             break
-        prompts, caps, reqs = [], [], []
+        prompts, caps, reqs, keys = [], [], [], []
         for st in live:
             if st.phase == "act":
                 cap = min(config.max_response_tokens, C - len(st.ctx) - len(chat.gen_prompt) - len(chat.assistant_end))
@@ -120,15 +120,17 @@ async def arun_rollouts(engine, envs, tokenizer, config: RolloutConfig | None = 
                     prompts.append(st.ctx + chat.gen_prompt)
                     caps.append(cap)
                     reqs.append(st)
+                    keys.append(st.key)
                     continue
             prompts.append(st.ctx + q_sum + chat.gen_prompt)
             caps.append(config.summary_cap)
             reqs.append(st)
+            keys.append(st.key)
         if not reqs:
             continue
         seed = None if config.seed is None else config.seed * 1_000_003 + round_idx
         gens = engine.generate(prompts, caps, temperature=config.temperature, top_p=config.top_p,
-                               stop_token_ids=stops, seed=seed)
+                               stop_token_ids=stops, seed=seed, cache_keys=keys)
         round_idx += 1
         acting = []
         for st, g in zip(reqs, gens):

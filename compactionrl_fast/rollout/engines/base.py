@@ -22,7 +22,8 @@ class Engine:
     where the engine supports it (no-ops otherwise).
     """
 
-    def generate(self, prompts, max_new_tokens, *, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=None):
+    def generate(self, prompts, max_new_tokens, *, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=None,
+                 cache_keys=None):
         """Sample one completion per prompt.
 
         Args:
@@ -31,6 +32,8 @@ class Engine:
             temperature: 0 is greedy. top_p: nucleus sampling in (0, 1].
             stop_token_ids: generation of a row stops after it samples one of these (it is returned).
             seed: makes sampling reproducible (None: the engine's own RNG).
+            cache_keys: optional hashable per prompt naming the conversation it continues (the loop passes
+                the rollout index); an engine may reuse that conversation's KV cache. A hint only.
 
         Returns:
             list of Generation, one per prompt, in order.

@@ -1,11 +1,17 @@
 """TransformersEngine: the embedded default. Batched sampling with a KV cache from any Hugging Face causal
 LM, on CPU or GPU, with exact float32 log-probs of the sampled tokens.
 
-transformers is imported lazily (only `from_pretrained` needs it; a model object can be passed in).
+Prefix reuse: when a prompt carries a `cache_key` (the loop passes the rollout's index), the KV of that
+key's previous prompt + completion is kept and only the prompt's new tokens are prefilled next time (a
+turn adds ~20 tokens to a ~100-token context). Cached KV is dropped when the weights change (load_weights,
+or any in-place update of a parameter, detected through the parameters' version counters).
+
+transformers is imported lazily (only `from_pretrained` and the cache need it).
 """
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 
@@ -33,9 +39,29 @@ def sample_tokens(logits, temperature: float, top_p: float, generator=None):
     return tok, lp.gather(1, tok[:, None])[:, 0]
 
 
+@dataclass
+class _Cached:
+    seq: list  # tokens whose KV is stored (prompt + completion minus its last token)
+    kv: list  # per layer (keys [H, L, D], values [H, L, D])
+
+
+def _common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # binary search on list-slice equality (C speed) for the first mismatch
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class TransformersEngine(Engine):
     """Generation engine around a Hugging Face causal LM (`model(input_ids, attention_mask, position_ids,
-    cache)`), e.g. LlamaForCausalLM / Qwen2ForCausalLM.
+    cache)`), e.g. LlamaForCausalLM / Qwen2ForCausalLM, with sdpa or eager attention.
 
     The model object may be shared with the trainer (then no weight copy is needed); generation runs under
     no_grad in eval mode and restores the model's training flag afterwards.
@@ -44,6 +70,7 @@ class TransformersEngine(Engine):
         model: the causal LM (already on its device).
         pad_token_id: id fed in padded positions (never attended to).
         max_batch_size: prompts are processed in chunks of at most this many rows (None: all at once).
+        prefix_cache: keep per-key KV between calls (see the module docstring).
 
     Example:
         >>> eng = TransformersEngine(model)                              # doctest: +SKIP
@@ -51,13 +78,15 @@ class TransformersEngine(Engine):
         >>> out[0].token_ids, out[0].logprobs, out[0].finish_reason     # doctest: +SKIP
     """
 
-    def __init__(self, model, *, pad_token_id: int = 0, max_batch_size: int | None = None):
+    def __init__(self, model, *, pad_token_id: int = 0, max_batch_size: int | None = None, prefix_cache: bool = True):
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.max_batch_size = max_batch_size
+        self.prefix_cache = prefix_cache
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = "logits_to_keep" if "logits_to_keep" in params else None
+        self._store, self._store_version = {}, None
 
     @classmethod
     def from_pretrained(cls, path: str, *, device="cpu", dtype=torch.float32, **kwargs):
@@ -75,14 +104,36 @@ class TransformersEngine(Engine):
     def load_weights(self, state_dict, strict: bool = True) -> None:
         with torch.no_grad():
             self.model.load_state_dict(state_dict, strict=strict)
+        self.clear_cache()
 
-    def _new_cache(self):
+    def clear_cache(self) -> None:
+        self._store, self._store_version = {}, None
+
+    def sleep(self) -> None:
+        self.clear_cache()
+
+    def _weights_version(self):
+        return tuple(p._version for p in self.model.parameters()) + (self.device, self.model.dtype)
+
+    # -- cache plumbing (DynamicCache across transformers versions) --
+    def _make_cache(self, pairs=None):
         from transformers import DynamicCache
 
+        if pairs is None:
+            try:
+                return DynamicCache(config=self.model.config)
+            except TypeError:  # older transformers
+                return DynamicCache()
         try:
-            return DynamicCache(config=self.model.config)
-        except TypeError:  # older transformers
-            return DynamicCache()
+            return DynamicCache(ddp_cache_data=pairs)
+        except TypeError:
+            return DynamicCache.from_legacy_cache(tuple(pairs))
+
+    @staticmethod
+    def _layers(cache):
+        if hasattr(cache, "layers"):
+            return [(layer.keys, layer.values) for layer in cache.layers]
+        return list(zip(cache.key_cache, cache.value_cache))
 
     def _forward(self, ids, mask, pos, cache, last_only):
         kw = {self._cache_kw: cache, "use_cache": True}
@@ -92,37 +143,87 @@ class TransformersEngine(Engine):
         return logits[:, -1]
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, *, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=None):
+    def generate(self, prompts, max_new_tokens, *, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=None,
+                 cache_keys=None):
+        """See Engine.generate. cache_keys: optional hashable per prompt naming the conversation it continues
+        (e.g. the rollout index); the KV of that key's previous prompt + completion is reused."""
         caps = caps_list(max_new_tokens, len(prompts))
+        if cache_keys is not None and len(cache_keys) != len(prompts):
+            raise ValueError("cache_keys must have one entry per prompt")
         out = [Generation([], [], "length") for _ in prompts]
         rows = [i for i, c in enumerate(caps) if c > 0]
         if any(len(prompts[i]) == 0 for i in rows):
             raise ValueError("prompts must be non-empty")
         gen = torch.Generator(self.device).manual_seed(int(seed)) if seed is not None else None
+        if not self.prefix_cache or self._store_version != self._weights_version():
+            self._store = {}
+        old, self._store = self._store, {}
         chunk = self.max_batch_size or max(len(rows), 1)
         was_training = self.model.training
         self.model.eval()
         try:
             for c0 in range(0, len(rows), chunk):
                 idx = rows[c0:c0 + chunk]
-                res = self._generate_batch([prompts[i] for i in idx], [caps[i] for i in idx], float(temperature),
-                                           float(top_p), stop_token_ids, gen)
+                keys = [cache_keys[i] if cache_keys is not None and self.prefix_cache else None for i in idx]
+                res = self._generate_batch([list(prompts[i]) for i in idx], [caps[i] for i in idx], float(temperature),
+                                           float(top_p), stop_token_ids, gen, keys, old)
                 for i, g in zip(idx, res):
                     out[i] = g
         finally:
             self.model.train(was_training)
+        self._store_version = self._weights_version()
         return out
 
-    def _generate_batch(self, prompts, caps, temperature, top_p, stop_token_ids, gen):
+    def _start(self, prompts, keys, old):
+        """Build the batch's first forward: reused KV (right-aligned) + the new tokens (left-padded).
+
+        Returns (ids [B, S], mask [B, P+S], pos [B, S], cache)."""
         dev, B = self.device, len(prompts)
-        L = max(len(p) for p in prompts)
-        ids = torch.full((B, L), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for b, p in enumerate(prompts):  # left padding: every row's next token goes in the same column
-            ids[b, L - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[b, L - len(p):] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(1) - 1).clamp_(min=0)
+        reuse = []
+        for p, key in zip(prompts, keys):
+            ent = old.get(key) if key is not None else None
+            n = min(_common_prefix(ent.seq, p), len(p) - 1) if ent is not None else 0
+            reuse.append((n, ent))
+        P = max(n for n, _ in reuse)
+        S = max(len(p) - n for p, (n, _) in zip(prompts, reuse))
+        ids = torch.full((B, S), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((B, P + S), dtype=torch.long)
+        pos = torch.zeros((B, S), dtype=torch.long)
+        for b, (p, (n, _)) in enumerate(zip(prompts, reuse)):
+            s = len(p) - n
+            ids[b, S - s:] = torch.tensor(p[n:], dtype=torch.long)
+            mask[b, P - n:P] = 1
+            mask[b, P + S - s:] = 1
+            pos[b, S - s:] = torch.arange(n, len(p))
+        cache = self._make_cache()
+        if P > 0:
+            ent0 = next(ent for n, ent in reuse if n > 0)
+            pairs = []
+            for layer, (k0, v0) in enumerate(ent0.kv):
+                k = k0.new_zeros((B, k0.shape[0], P, k0.shape[2]))
+                v = v0.new_zeros((B, v0.shape[0], P, v0.shape[2]))
+                for b, (n, ent) in enumerate(reuse):
+                    if n > 0:
+                        k[b, :, P - n:] = ent.kv[layer][0][:, :n]
+                        v[b, :, P - n:] = ent.kv[layer][1][:, :n]
+                pairs.append((k, v))
+            cache = self._make_cache(pairs)
+        return ids.to(dev), mask.to(dev), pos.to(dev), cache
+
+    def _save(self, cache, mask, cache_rows, out_rows, prompts, keys, toks, n_out):
+        """Store the KV of finished rows under their keys (only fed tokens: the last sample was not fed)."""
+        layers = self._layers(cache)
+        for r, o in zip(cache_rows.tolist(), out_rows.tolist()):
+            if keys[o] is None:
+                continue
+            fed = len(prompts[o]) + n_out[o] - 1
+            cols = mask[r].nonzero()[:fed, 0]
+            kv = [(k[r][:, cols], v[r][:, cols]) for k, v in layers]
+            self._store[keys[o]] = _Cached(prompts[o] + toks[o][:n_out[o] - 1], kv)
+
+    def _generate_batch(self, prompts, caps, temperature, top_p, stop_token_ids, gen, keys, old):
+        dev, B = self.device, len(prompts)
+        ids, mask, pos, cache = self._start(prompts, keys, old)
         cap_t = torch.tensor(caps, device=dev)
         stops = torch.tensor(sorted(set(int(t) for t in stop_token_ids)) or [-1], device=dev)
         maxcap = max(caps)
@@ -132,7 +233,7 @@ class TransformersEngine(Engine):
         stopped = torch.zeros(B, dtype=torch.bool, device=dev)
         active = torch.arange(B, device=dev)  # output row of each cache row
         alive = torch.ones(B, dtype=torch.bool, device=dev)  # cache rows still generating
-        cache = self._new_cache()
+        saving = any(k is not None for k in keys)
         logits = self._forward(ids, mask, pos, cache, last_only=True)
         next_pos = pos[:, -1] + 1
         for step in range(maxcap):
@@ -148,13 +249,17 @@ class TransformersEngine(Engine):
             if n_alive == 0:
                 break
             if n_alive <= alive.numel() // 2:  # drop finished rows from the batch and the cache
+                if saving:
+                    gone = (~alive).nonzero()[:, 0]
+                    self._save(cache, mask, gone, active[gone], prompts, keys, toks.tolist(), n_out.tolist())
                 keep = alive.nonzero()[:, 0]
                 cache.batch_select_indices(keep)
                 active, alive, tok, mask, next_pos = active[keep], alive[keep], tok[keep], mask[keep], next_pos[keep]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             logits = self._forward(tok[:, None], mask, next_pos[:, None], cache, last_only=False)
             next_pos = next_pos + 1
-        n_out, stopped = n_out.tolist(), stopped.tolist()
-        toks, lps = toks.tolist(), lps.tolist()
+        n_out, stopped, toks, lps = n_out.tolist(), stopped.tolist(), toks.tolist(), lps.tolist()
+        if saving:
+            self._save(cache, mask, torch.arange(active.numel()), active, prompts, keys, toks, n_out)
         return [Generation(toks[b][:n_out[b]], lps[b][:n_out[b]], "stop" if stopped[b] else "length")
                 for b in range(B)]

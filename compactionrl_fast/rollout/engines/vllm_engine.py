@@ -47,7 +47,8 @@ class VLLMEngine(Engine):
         self.llm = LLM(**kw)
         self._asleep = False
 
-    def generate(self, prompts, max_new_tokens, *, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=None):
+    def generate(self, prompts, max_new_tokens, *, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=None,
+                 cache_keys=None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

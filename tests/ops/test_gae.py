@@ -11,6 +11,31 @@ from compactionrl_fast.ops._dispatch import available
 from compactionrl_fast.reference import gae as ref
 from tests.utils import SHAPE_TABLE, packed_batch, random_case
 
+if "triton" in available(torch.device("cpu")):
+    import triton
+    import triton.language as tl
+
+    from compactionrl_fast.kernels import gae as kgae
+    from tests import _interp_scan
+
+    _interp_scan.install()  # log-step scans in the Triton interpreter (see tests/_interp_scan.py)
+
+    @triton.jit
+    def _scan_kernel(x_ptr, out_ptr, N: tl.constexpr, OP: tl.constexpr):
+        # the scans of kernels/gae.py on rows of x: 8-row _compose, 5-row _compose_adv, int64 _add
+        o = tl.arange(0, N)
+        if OP == 0:
+            r = tl.associative_scan(tuple(tl.load(x_ptr + i * N + o) for i in tl.static_range(8)), 0, kgae._compose)
+            for i in tl.static_range(8):
+                tl.store(out_ptr + i * N + o, r[i])
+        elif OP == 1:
+            r = tl.associative_scan(tuple(tl.load(x_ptr + i * N + o) for i in tl.static_range(5)), 0,
+                                    kgae._compose_adv)
+            for i in tl.static_range(5):
+                tl.store(out_ptr + i * N + o, r[i])
+        else:
+            tl.store(out_ptr + o, tl.associative_scan(tl.load(x_ptr + o).to(tl.int64), 0, kgae._add).to(tl.float64))
+
 BACKENDS = [b for b in ("cpp", "triton", "cuda") if b in available(torch.device("cpu"))]
 MODES = ["paper", "none", "stitched"]
 LAMS = [0.95, 1.0, 0.0, "adaptive"]
@@ -257,3 +282,104 @@ def test_device_mismatch_raises():
     b["values"] = b["values"].to("meta")
     with pytest.raises(ValueError, match="values"):
         crf.segment_gae(**b)
+
+
+# ---------------------------------------------------------------- Triton launch plans (interpreter)
+
+needs_triton = pytest.mark.skipif("triton" not in BACKENDS, reason="needs triton with TRITON_INTERPRET=1")
+
+
+def _with_plan(monkeypatch, **plan):
+    """Route backend="triton" through the launcher with a given block size / chunking."""
+    import functools
+
+    from compactionrl_fast.kernels import gae as kgae
+
+    monkeypatch.setattr(kgae, "segment_gae_fwd", functools.partial(kgae.segment_gae_fwd, **plan))
+
+
+@needs_triton
+@pytest.mark.parametrize("block,chunk", [(16, 16), (16, 40), (32, 96), (16, 0)],
+                         ids=["chunk=block", "chunk=2.5blocks", "chunk=3blocks", "rollout-chunks"])
+def test_triton_blocks_and_chunks_cross_segments(monkeypatch, block, chunk):
+    """Small blocks and chunks: blocks and chunks start and end inside segments, span segment and rollout
+    boundaries, and every carry (across blocks, chunks, segments, rollouts) is exercised many times."""
+    _with_plan(monkeypatch, block=block, chunk=chunk)
+    b = packed_batch(random_case(7, n_rollouts=4, max_len=60), seed=7, index_dtype=torch.int64)
+    S = b["cu_seqlens"].numel() - 1
+    lam_t = torch.rand(S, generator=torch.Generator().manual_seed(7))
+    kws = [dict(gamma=0.97), dict(gamma=0.95, lam=lam_t, lam_critic=None),
+           dict(gamma=0.99, lam="adaptive", adaptive_length="segment", lam_critic=0.9)]
+    for mode, kw in zip(MODES, kws):
+        _check_backend("triton", b, cross_segment=mode, **kw)
+    b32 = {k: (v.int() if k.startswith("cu_") else v) for k, v in b.items()}
+    _check_backend("triton", b32, gamma=0.99, lam=0.9, cross_segment="stitched")
+
+
+@needs_triton
+def test_triton_gpu_sized_blocks_on_long_segments(monkeypatch):
+    """The GPU block size, chunks of two blocks: segments of up to 3001 tokens span several blocks and chunks."""
+    _with_plan(monkeypatch, block=512, chunk=1024)
+    b = packed_batch(SHAPE_TABLE["long_multiblock"], seed=11)
+    for mode in MODES:
+        _check_backend("triton", b, cross_segment=mode)
+
+
+@needs_triton
+def test_triton_stitched_carry_inside_one_block(monkeypatch):
+    """Several segments and rollouts inside one block, with untrainable and empty segments between them."""
+    _with_plan(monkeypatch, block=64, chunk=64)
+    case = [[(5, "all"), (0, "all"), (4, "none"), (6, "rand"), (1, "all")], [(3, "none")],
+            [(7, "rand"), (2, "all")], [(0, "all")], [(9, "all"), (4, "none")]]
+    b = packed_batch(case, seed=3)
+    assert b["loss_mask"].numel() <= 64
+    for mode in MODES:
+        _check_backend("triton", b, gamma=0.9, lam=0.8, cross_segment=mode, lam_critic=0.5)
+        _check_backend("triton", b, cross_segment=mode)
+
+
+@needs_triton
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_triton_rollouts_without_segments(monkeypatch, chunk):
+    """Rollouts that own no segment (repeated cu_segments entries) give empty rollout chunks."""
+    _with_plan(monkeypatch, block=16, chunk=chunk)
+    b = packed_batch([[(6, "all"), (5, "rand")], [(7, "rand")]], seed=5)
+    b["cu_segments"] = torch.tensor([0, 0, 2, 2, 3, 3], dtype=torch.int32)
+    for mode in MODES:
+        _check_backend("triton", b, gamma=0.9, lam=0.7, cross_segment=mode)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_untrainable_positions_are_never_read(backend):
+    """NaN rewards/values at observation tokens must not reach any output."""
+    b = packed_batch(SHAPE_TABLE["four_segments"], seed=2)
+    clean = crf.segment_gae(**b, backend=backend)
+    b["rewards"] = b["rewards"].masked_fill(~b["loss_mask"], float("nan"))
+    b["values"] = b["values"].masked_fill(~b["loss_mask"], float("nan"))
+    for mode in MODES:
+        adv, ret = crf.segment_gae(**b, cross_segment=mode, backend=backend)
+        assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
+    torch.testing.assert_close(crf.segment_gae(**b, backend=backend), clean, rtol=0, atol=0)
+
+
+@needs_triton
+def test_interp_scan_matches_the_interpreter_loop():
+    """tests/_interp_scan.py (log-step scan) against the interpreter's element-by-element scan, on the
+    combine functions of kernels/gae.py."""
+    from triton.runtime import interpreter
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(8, 64, generator=gen, dtype=torch.float64)
+    x[3] = (x[3] < 0.5).double()  # z is 0 or 1
+    for op in (0, 1, 2):
+        outs = []
+        for scan in (_interp_scan._vectorised_scan, _interp_scan.original()):
+            prev, interpreter.ScanOps.generic_scan = interpreter.ScanOps.generic_scan, scan
+            try:
+                out = torch.full_like(x, float("nan"))
+                _scan_kernel[(1,)](x if op < 2 else (x * 100).round(), out, N=64, OP=op)
+            finally:
+                interpreter.ScanOps.generic_scan = prev
+            outs.append(out)
+        n = (8, 5, 1)[op]
+        torch.testing.assert_close(outs[0][:n], outs[1][:n], rtol=1e-12, atol=1e-12)

@@ -3,39 +3,50 @@
 The op (compactionrl_fast/ops/linear_logprobs.py) multiplies one token chunk at a time with cuBLAS,
 `z = (hidden_c @ W.T + b) / temperature` into a [C, V] buffer, then calls:
 
-- `linear_logprobs_stats`: one program per row, an online log-sum-exp over vocabulary tiles that also
-  carries sum(p * (z - max)) for the entropy; gathers the target logit. Writes lse, logp, entropy [C].
-- `linear_logprobs_dlogits`: one program per (row, vocabulary tile); overwrites the buffer in place
+- `linear_logprobs_stats`: one program per BT rows (BT = 1 for an LM vocabulary), an online
+  log-sum-exp over vocabulary tiles that also carries sum(p * (z - max)) for the entropy; gathers the
+  target logit. Writes lse, logp, entropy [C].
+- `linear_logprobs_dlogits`: one program per (BT rows, vocabulary tile); overwrites the buffer in place
   with dL/dz = g_lp * (onehot - p) - g_ent * p * (log p + H), the gradient of both outputs.
+
+Why a chunk loop around cuBLAS rather than one fully tiled Triton kernel (matmul + online lse): the
+matmuls are >90% of the FLOPs and cuBLAS runs them near peak for any shape; the [C, V] buffer costs a
+few extra passes over C * V elements, small next to the 2 * C * V * H matmul FLOPs at H >= 1024.
 
 Logits may be bf16/fp16/fp32; every value is cast to float32 right after the load.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-STATS_BV = 2048  # vocabulary tile of the row loop: 16 fp32 lanes per thread per accumulator at 4 warps
-DLOGITS_BV = 2048
-NEG = tl.constexpr(-1e30)  # finite "minus infinity" for the running max: keeps every difference finite (no inf - inf)
+TILE = 2048  # elements per [BT, BV] block: 16 fp32 lanes per thread per accumulator at 4 warps
+NEG = tl.constexpr(-1e30)  # finite "minus infinity" for the running max: keeps every difference finite
+
+
+def tile_shape(V, tile=TILE):
+    """(BT, BV): rows x vocabulary columns of one block. Large vocabularies take one row per program; a
+    small one packs several rows into a block so that programs stay busy."""
+    bv = min(tile, triton.next_power_of_2(V))
+    return max(1, min(16, tile // bv)), bv
 
 
 @triton.jit
-def linear_logprobs_stats_kernel(x_ptr, stride_x, y_ptr, lse_ptr, logp_ptr, ent_ptr, V,
-                                 BV: tl.constexpr, ENTROPY: tl.constexpr):
+def linear_logprobs_stats_kernel(x_ptr, stride_x, y_ptr, lse_ptr, logp_ptr, ent_ptr, C, V,
+                                 BT: tl.constexpr, BV: tl.constexpr, ENTROPY: tl.constexpr):
     i_t = tl.program_id(0).to(tl.int64)
-    p_x = x_ptr + i_t * stride_x
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < C
     o_v = tl.arange(0, BV)
     # per-lane running max, sum of exp(z - m) and sum of exp(z - m) * (z - m); combined at the end
-    b_m = tl.full([BV], NEG, tl.float32)
-    b_s = tl.zeros([BV], tl.float32)
-    b_w = tl.zeros([BV], tl.float32)
+    b_m = tl.full([BT, BV], NEG, tl.float32)
+    b_s = tl.zeros([BT, BV], tl.float32)
+    b_w = tl.zeros([BT, BV], tl.float32)
     for v0 in range(0, V, BV):
-        m_v = v0 + o_v < V
-        # [BV]
-        b_z = tl.load(p_x + v0 + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_z = tl.where(m_v, b_z, float("-inf"))
+        m_x = m_t[:, None] & (v0 + o_v < V)[None, :]
+        # [BT, BV]
+        b_z = tl.load(x_ptr + o_t[:, None] * stride_x + (v0 + o_v)[None, :], mask=m_x, other=0.0)
+        b_z = tl.where(m_x, b_z.to(tl.float32), float("-inf"))
         b_mn = tl.maximum(b_m, b_z)
         b_d = b_m - b_mn  # <= 0 and finite
         b_a = tl.exp(b_d)
@@ -45,45 +56,48 @@ def linear_logprobs_stats_kernel(x_ptr, stride_x, y_ptr, lse_ptr, logp_ptr, ent_
             b_w = b_a * (b_w + b_s * b_d) + b_e * tl.where(b_e > 0, b_z - b_mn, 0.0)
         b_s = b_a * b_s + b_e
         b_m = b_mn
-    m = tl.max(b_m, 0)
-    b_sc = tl.exp(b_m - m)
-    s = tl.sum(b_s * b_sc, 0)
-    lse = m + tl.log(s)
-    y = tl.load(y_ptr + i_t).to(tl.int64)
-    z_y = tl.load(p_x + y).to(tl.float32)
-    tl.store(lse_ptr + i_t, lse)
-    tl.store(logp_ptr + i_t, z_y - lse)
+    # [BT]
+    b_mx = tl.max(b_m, 1)
+    b_sc = tl.exp(b_m - b_mx[:, None])
+    b_sum = tl.where(m_t, tl.sum(b_s * b_sc, 1), 1.0)  # rows past C: no log(0) or 0 / 0
+    b_lse = b_mx + tl.log(b_sum)
+    b_y = tl.load(y_ptr + o_t, mask=m_t, other=0).to(tl.int64)
+    b_zy = tl.load(x_ptr + o_t * stride_x + b_y, mask=m_t, other=0.0).to(tl.float32)
+    tl.store(lse_ptr + o_t, b_lse, mask=m_t)
+    tl.store(logp_ptr + o_t, b_zy - b_lse, mask=m_t)
     if ENTROPY:
-        w = tl.sum(b_sc * (b_w + b_s * (b_m - m)), 0)
-        # H = lse - E[z] = log s - E[z - m]
-        tl.store(ent_ptr + i_t, tl.log(s) - w / s)
+        b_wsum = tl.sum(b_sc * (b_w + b_s * (b_m - b_mx[:, None])), 1)
+        # H = lse - E[z] = log s - E[z - m]: no cancellation against a large lse
+        tl.store(ent_ptr + o_t, tl.log(b_sum) - b_wsum / b_sum, mask=m_t)
 
 
 @triton.jit
-def linear_logprobs_dlogits_kernel(x_ptr, stride_x, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, V,
-                                   BV: tl.constexpr, ENTROPY: tl.constexpr):
+def linear_logprobs_dlogits_kernel(x_ptr, stride_x, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, C, V,
+                                   BT: tl.constexpr, BV: tl.constexpr, ENTROPY: tl.constexpr):
     i_t = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    p_x = x_ptr + i_t * stride_x + o_v
-    lse = tl.load(lse_ptr + i_t)
-    g_lp = tl.load(glp_ptr + i_t)
-    y = tl.load(y_ptr + i_t)
-    # [BV]
-    b_z = tl.load(p_x, mask=m_v, other=0.0).to(tl.float32)
-    b_lp = b_z - lse
+    m_t = o_t < C
+    m_x = m_t[:, None] & (o_v < V)[None, :]
+    p_x = x_ptr + o_t[:, None] * stride_x + o_v[None, :]
+    # [BT]
+    b_lse = tl.load(lse_ptr + o_t, mask=m_t, other=0.0)
+    b_glp = tl.load(glp_ptr + o_t, mask=m_t, other=0.0)
+    b_y = tl.load(y_ptr + o_t, mask=m_t, other=-1)
+    # [BT, BV]
+    b_lp = tl.load(p_x, mask=m_x, other=0.0).to(tl.float32) - b_lse[:, None]
     b_p = tl.exp(b_lp)
-    b_g = -g_lp * b_p
+    b_g = -b_glp[:, None] * b_p
     if ENTROPY:
-        H = tl.load(ent_ptr + i_t)
-        g_ent = tl.load(gent_ptr + i_t)
-        b_g -= g_ent * b_p * tl.where(b_p > 0, b_lp + H, 0.0)
-    b_g = tl.where(o_v == y, b_g + g_lp, b_g)
-    tl.store(p_x, b_g.to(x_ptr.dtype.element_ty), mask=m_v)
+        b_h = tl.load(ent_ptr + o_t, mask=m_t, other=0.0)
+        b_gent = tl.load(gent_ptr + o_t, mask=m_t, other=0.0)
+        b_g -= b_gent[:, None] * b_p * tl.where(b_p > 0, b_lp + b_h[:, None], 0.0)
+    b_g = tl.where(o_v[None, :] == b_y[:, None], b_g + b_glp[:, None], b_g)
+    tl.store(p_x, b_g.to(x_ptr.dtype.element_ty), mask=m_x)
 
 
-def linear_logprobs_stats(x, targets, lse, logp, ent, block_v=STATS_BV):
+def linear_logprobs_stats(x, targets, lse, logp, ent, tile=TILE):
     """Row statistics of a logits chunk, written into lse, logp, ent ([C] fp32; ent None skips the entropy).
 
     Args:
@@ -93,11 +107,13 @@ def linear_logprobs_stats(x, targets, lse, logp, ent, block_v=STATS_BV):
     C, V = x.shape
     want_entropy = ent is not None
     if C:
-        linear_logprobs_stats_kernel[(C,)](x, x.stride(0), targets, lse, logp, ent if want_entropy else lse, V,
-                                           BV=block_v, ENTROPY=want_entropy)
+        BT, BV = tile_shape(V, tile)
+        linear_logprobs_stats_kernel[(triton.cdiv(C, BT),)](x, x.stride(0), targets, lse, logp,
+                                                            ent if want_entropy else lse, C, V, BT=BT, BV=BV,
+                                                            ENTROPY=want_entropy)
 
 
-def linear_logprobs_dlogits(x, targets, lse, ent, g_lp, g_ent, block_v=DLOGITS_BV):
+def linear_logprobs_dlogits(x, targets, lse, ent, g_lp, g_ent, tile=TILE):
     """Overwrite the logits chunk x [C, V] in place with dL/dz.
 
     g_lp, g_ent: [C] fp32 upstream gradients of logp and entropy (g_ent None: logp only); lse, ent: [C]
@@ -106,31 +122,32 @@ def linear_logprobs_dlogits(x, targets, lse, ent, g_lp, g_ent, block_v=DLOGITS_B
     C, V = x.shape
     want_entropy = g_ent is not None
     if C:
-        grid = (C, triton.cdiv(V, block_v))
+        BT, BV = tile_shape(V, tile)
+        grid = (triton.cdiv(C, BT), triton.cdiv(V, BV))
         linear_logprobs_dlogits_kernel[grid](x, x.stride(0), targets, lse, ent if want_entropy else lse, g_lp,
-                                             g_ent if want_entropy else g_lp, V, BV=block_v,
+                                             g_ent if want_entropy else g_lp, C, V, BT=BT, BV=BV,
                                              ENTROPY=want_entropy)
     return x
 
 
 def _sig(kernel, x_dtype):
-    ptrs = {"x_ptr": f"*{x_dtype}", "y_ptr": "*i64"}
     sig = {}
     for name in kernel.arg_names:
-        if name in ("BV", "ENTROPY"):
+        if name in ("BT", "BV", "ENTROPY"):
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = ptrs.get(name, "*fp32")
+            sig[name] = {"x_ptr": f"*{x_dtype}", "y_ptr": "*i64"}.get(name, "*fp32")
         else:
             sig[name] = "i32"
     return sig
 
 
 # Ahead-of-time compile list (tests/test_aot.py): both kernels, fp32 and bf16 logits, with and without
-# the entropy, at the launchers' tile sizes.
+# the entropy, at the launchers' block shapes for an LM vocabulary (one row per program) and a small one.
 AOT_SPECS = [
-    (name, _sig(globals()[name], dt), {"BV": bv, "ENTROPY": ent})
-    for name, bv in (("linear_logprobs_stats_kernel", STATS_BV), ("linear_logprobs_dlogits_kernel", DLOGITS_BV))
+    (name, _sig(globals()[name], dt), {"BT": bt, "BV": bv, "ENTROPY": ent})
+    for name in ("linear_logprobs_stats_kernel", "linear_logprobs_dlogits_kernel")
     for dt in ("fp32", "bf16")
     for ent in (False, True)
+    for bt, bv in (tile_shape(151936), tile_shape(300))
 ]

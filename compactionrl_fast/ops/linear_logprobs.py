@@ -112,7 +112,7 @@ class _Grads:
         need_h, self.need_w, need_b = needs
         self.dh = _alloc.empty(*hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         dev = weight.device
-        self.dw = torch.zeros(weight.shape, device=dev) if self.need_w and n_chunks > 1 else None
+        self.dw = torch.zeros(weight.shape, device=dev) if self.need_w and n_chunks != 1 else None
         self.db = torch.zeros(bias.shape, device=dev) if need_b else None
 
     def add(self, sl, d):

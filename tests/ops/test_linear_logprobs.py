@@ -1,0 +1,290 @@
+"""linear_logprobs: every backend's values and gradients (hidden, weight, bias; from the log-probs, the
+entropy and both) against the float64 full-logits reference; the Triton kernels on many vocabulary
+tiles; bf16/fp16 against PyTorch's own error in that dtype; bad inputs."""
+import pytest
+import torch
+
+import compactionrl_fast as crf
+from compactionrl_fast.ops._dispatch import available
+from compactionrl_fast.reference import linear_logprobs as ref
+from compactionrl_fast.reference import naive_linear_logprobs
+
+BACKENDS = ["torch"] + [b for b in ("triton",) if b in available(torch.device("cpu"))]
+# (T, H, V): odd sizes, T = 1, V not a multiple of the 2048 vocabulary tile, several tiles
+SHAPES = [(1, 96, 37), (63, 96, 5000), (1000, 96, 300), (100, 64, 2049)]
+
+
+def make(T, H, V, dtype=torch.float32, bias=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    # logits of a few units, like a trained LM head: peaked and flat rows both occur
+    h = torch.randn(T, H, generator=gen) * 1.5
+    w = torch.randn(V, H, generator=gen) / H**0.5
+    b = torch.randn(V, generator=gen) if bias else None
+    y = torch.randint(0, V, (T,), generator=gen)
+    y[:1] = V - 1
+    y[1:2] = 0
+    leaf = lambda t: None if t is None else t.to(dtype).requires_grad_()
+    return leaf(h), leaf(w), leaf(b), y
+
+
+def rel(a, r):
+    """max-norm relative error of a against the float64 truth r."""
+    return float((a.detach().double() - r.detach()).abs().max() / r.abs().max().clamp_min(1e-30))
+
+
+def run(fn, h, w, b, y, g_lp, g_ent, **kw):
+    """Outputs and gradients (hidden, weight, bias) of sum(g_lp * logp + g_ent * entropy)."""
+    want_ent = g_ent is not None
+    out = fn(h, w, y, bias=b, return_entropy=want_ent, **kw)
+    lp, ent = out if want_ent else (out, None)
+    loss = (lp * g_lp.to(lp.dtype)).sum() if g_lp is not None else 0.0
+    if want_ent:
+        loss = loss + (ent * g_ent.to(ent.dtype)).sum()
+    leaves = [t for t in (h, w, b) if t is not None]
+    grads = torch.autograd.grad(loss, leaves)
+    return [lp, ent], list(grads)
+
+
+def check_against_reference(backend, h, w, b, y, g_lp, g_ent, tol, **kw):
+    outs, grads = run(crf.linear_logprobs, h, w, b, y, g_lp, g_ent, backend=backend, **kw)
+    kw.pop("chunk_size", None)
+    r_outs, r_grads = run(ref, h, w, b, y, g_lp, g_ent, **kw)
+    for name, a, r in [("logp", outs[0], r_outs[0]), ("entropy", outs[1], r_outs[1])]:
+        if r is None:
+            assert a is None
+            continue
+        assert a.dtype == torch.float32 and a.shape == r.shape
+        assert not a.isnan().any(), name
+        assert rel(a, r) < tol, (name, rel(a, r))
+    for name, a, r in zip(["d_hidden", "d_weight", "d_bias"], grads, r_grads):
+        assert a.dtype == h.dtype and not a.isnan().any(), name
+        assert rel(a, r) < tol, (name, rel(a, r))
+
+
+# ---------------------------------------------------------------- reference
+
+
+def test_reference_hand_computed():
+    h = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    b = torch.tensor([0.0, 0.5, -1.0], dtype=torch.float64)
+    y = torch.tensor([2, 1])
+    lp, ent = ref(h, w, y, bias=b, temperature=2.0, return_entropy=True)
+    z = torch.tensor([[1.0, 0.5, 0.0], [0.0, 2.5, 1.0]], dtype=torch.float64) / 2.0
+    p = z.exp() / z.exp().sum(1, keepdim=True)
+    torch.testing.assert_close(lp, p[[0, 1], [2, 1]].log())
+    torch.testing.assert_close(ent, -(p * p.log()).sum(1))
+
+
+def test_reference_gradcheck_both_outputs():
+    """The oracle's own gradients (autograd through log_softmax) against finite differences."""
+    h, w, b, y = make(4, 5, 7, dtype=torch.float64, bias=True)
+
+    def f(h, w, b):
+        lp, ent = ref(h, w, y, bias=b, temperature=0.6, return_entropy=True)
+        return lp, ent
+
+    assert torch.autograd.gradcheck(f, (h, w, b))
+
+
+def test_entropy_gradient_closed_form():
+    """dH/dz = -p (log p + H), the formula the backward kernels use."""
+    z = torch.randn(3, 11, dtype=torch.float64, requires_grad=True)
+    lp = torch.log_softmax(z, -1)
+    H = -(lp.exp() * lp).sum(-1)
+    (g,) = torch.autograd.grad(H.sum(), z)
+    p = lp.detach().exp()
+    torch.testing.assert_close(g, -p * (lp.detach() + H.detach()[:, None]))
+
+
+# ---------------------------------------------------------------- backends vs reference, fp32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_reference_fp32(backend, shape):
+    T, H, V = shape
+    h, w, b, y = make(T, H, V, bias=True, seed=T)
+    gen = torch.Generator().manual_seed(1)
+    g_lp, g_ent = torch.randn(T, generator=gen), torch.randn(T, generator=gen)
+    chunk = max(1, T // 3 + 1)  # does not divide T (T > 1)
+    check_against_reference(backend, h, w, b, y, g_lp, g_ent, 5e-6, temperature=0.7, chunk_size=chunk)
+    if backend == "triton":
+        return  # the interpreter runs one program at a time; the second pass only changes the matmul
+    # without bias, temperature 1, default chunk size, log-probs only
+    h, w, _, y = make(T, H, V, seed=T + 1)
+    check_against_reference(backend, h, w, None, y, g_lp, None, 5e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("which", ["logp", "entropy", "both"])
+def test_gradients_from_each_output(backend, which):
+    T, H, V = 50, 96, 1500
+    h, w, b, y = make(T, H, V, bias=True, seed=3)
+    gen = torch.Generator().manual_seed(2)
+    g_lp = torch.randn(T, generator=gen) if which != "entropy" else None
+    g_ent = torch.randn(T, generator=gen) if which != "logp" else None
+    if which == "entropy":  # entropy alone: logp is returned but not in the loss (its grad is None)
+        _, ent = crf.linear_logprobs(h, w, y, bias=b, temperature=1.3, chunk_size=16, return_entropy=True,
+                                     backend=backend)
+        grads = torch.autograd.grad((ent * g_ent).sum(), [h, w, b])
+        r_ent = ref(h, w, y, bias=b, temperature=1.3, return_entropy=True)[1]
+        r_grads = torch.autograd.grad((r_ent * g_ent).sum(), [h, w, b])
+        for a, r in zip(grads, r_grads):
+            assert rel(a, r) < 5e-6
+        return
+    check_against_reference(backend, h, w, b, y, g_lp, g_ent, 5e-6, temperature=1.3, chunk_size=16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunk_sizes_agree(backend):
+    T, H, V = 37, 32, 700
+    h, w, b, y = make(T, H, V, bias=True, seed=5)
+    g_lp, g_ent = torch.randn(T), torch.randn(T)
+    r_outs, r_grads = run(ref, h, w, b, y, g_lp, g_ent, temperature=0.9)
+    for chunk in (1, 7, 36, 37, 1000) if backend == "torch" else (7, 1000):
+        outs, grads = run(crf.linear_logprobs, h, w, b, y, g_lp, g_ent, temperature=0.9, chunk_size=chunk,
+                          backend=backend)
+        for a, r in zip(outs + grads, r_outs + r_grads):
+            assert rel(a, r) < 5e-6, chunk
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_only_some_inputs_need_grad(backend):
+    T, H, V = 20, 16, 300
+    h, w, b, y = make(T, H, V, bias=True, seed=6)
+    w.requires_grad_(False)
+    b.requires_grad_(False)
+    lp = crf.linear_logprobs(h, w, y, bias=b, chunk_size=8, backend=backend)
+    (gh,) = torch.autograd.grad(lp.sum(), h)
+    (rh,) = torch.autograd.grad(ref(h, w, y, bias=b).sum(), h)
+    assert rel(gh, rh) < 5e-6
+    with torch.no_grad():
+        lp2 = crf.linear_logprobs(h, w, y, bias=b, backend=backend)
+    assert not lp2.requires_grad and torch.equal(lp2, lp.detach())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch(backend):
+    h, w, b, y = make(0, 8, 10, bias=True)
+    lp, ent = crf.linear_logprobs(h, w, y, bias=b, return_entropy=True, backend=backend)
+    assert lp.shape == (0,) and ent.shape == (0,)
+    gh, gw, gb = torch.autograd.grad((lp.sum() + ent.sum()), [h, w, b])
+    assert gh.shape == (0, 8) and (gw == 0).all() and (gb == 0).all()
+
+
+def test_peaked_distribution_entropy_stays_precise():
+    """A near-one-hot row (huge logit gap): entropy ~ 0 must not come out as lse - E[z] noise."""
+    T, H, V = 4, 8, 3000
+    h, w, _, y = make(T, H, V, seed=7)
+    with torch.no_grad():
+        w[5] = h[0] * 40.0 / h[0].norm()  # token 5 dominates row 0 with a logit of about 40 * |h| / |h|
+    for backend in BACKENDS:
+        lp, ent = crf.linear_logprobs(h, w, y, return_entropy=True, backend=backend)
+        r_lp, r_ent = ref(h, w, y, return_entropy=True)
+        assert (ent.double() - r_ent).abs().max() < 1e-5, backend
+        assert (lp.double() - r_lp).abs().max() < 1e-5 * (1 + r_lp.abs().max()), backend
+
+
+# ---------------------------------------------------------------- Triton kernels on many tiles
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs triton with TRITON_INTERPRET=1")
+def test_triton_kernels_many_tiles_and_masked_vocabulary():
+    from compactionrl_fast.kernels.linear_logprobs import linear_logprobs_dlogits, linear_logprobs_stats
+
+    C, V = 9, 1000
+    z = torch.randn(C, V, dtype=torch.float64) * 3
+    z[:, 997:] = float("-inf")  # a vocabulary entry masked with a -inf bias has p = 0
+    z[2, :] = z[2, :].clamp(max=-5.0)
+    z[2, 10] = 30.0  # a peaked row
+    y = torch.randint(0, 997, (C,))
+    buf = torch.empty(C, V + 24)[:, :V].copy_(z.float())  # row stride != V
+    lse, logp, ent = (torch.full((C,), float("nan")) for _ in range(3))
+    linear_logprobs_stats(buf, y, lse, logp, ent, tile=64)  # 16 tiles, the last one partial
+    lp_all = torch.log_softmax(z, -1)
+    p = lp_all.exp()
+    r_ent = -(p * lp_all.nan_to_num(neginf=0.0)).sum(1)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(z, 1), rtol=0, atol=2e-6)
+    torch.testing.assert_close(logp.double(), lp_all[torch.arange(C), y], rtol=0, atol=2e-6)
+    torch.testing.assert_close(ent.double(), r_ent, rtol=0, atol=2e-6)
+    g_lp, g_ent = torch.randn(C), torch.randn(C)
+    linear_logprobs_dlogits(buf, y, lse, ent, g_lp, g_ent, tile=128)
+    d = -p * (g_lp[:, None].double() + g_ent[:, None].double() * (lp_all.nan_to_num(neginf=0.0) + r_ent[:, None]))
+    d[torch.arange(C), y] += g_lp.double()
+    torch.testing.assert_close(buf.double(), d, rtol=0, atol=2e-6)
+    assert (buf[:, 997:] == 0).all()
+    # a small vocabulary packs 16 rows into a block: 9 rows leave the block partial
+    z = torch.randn(C, 100) * 2
+    lse, logp = torch.full((C,), float("nan")), torch.full((C,), float("nan"))
+    linear_logprobs_stats(z, y % 100, lse, logp, None)
+    torch.testing.assert_close(lse, torch.logsumexp(z, 1), rtol=0, atol=2e-6)
+    torch.testing.assert_close(logp, torch.log_softmax(z, 1)[torch.arange(C), y % 100], rtol=0, atol=2e-6)
+
+
+# ---------------------------------------------------------------- half precision (CPU path)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_within_twice_pytorch_error(dtype):
+    """bf16/fp16 inputs: error against float64 at most 2x that of the naive composition in that dtype."""
+    T, H, V = 300, 96, 2000
+    h, w, b, y = make(T, H, V, dtype=dtype, bias=True, seed=8)
+    g_lp, g_ent = torch.randn(T), torch.randn(T)
+    outs, grads = run(crf.linear_logprobs, h, w, b, y, g_lp, g_ent, temperature=0.8, chunk_size=70)
+    n_outs, n_grads = run(naive_linear_logprobs, h, w, b, y, g_lp, g_ent, temperature=0.8)
+    r_outs, r_grads = run(ref, h, w, b, y, g_lp, g_ent, temperature=0.8)
+    for name, a, n, r in zip(["logp", "entropy", "d_hidden", "d_weight", "d_bias"], outs + grads,
+                             n_outs + n_grads, r_outs + r_grads):
+        assert not a.isnan().any(), name
+        assert rel(a, r) <= 2 * rel(n, r) + 1e-6, (name, rel(a, r), rel(n, r))
+
+
+# ---------------------------------------------------------------- bad inputs
+
+
+def test_bad_inputs_raise_naming_the_argument():
+    h, w, b, y = make(6, 8, 10, bias=True)
+    f = crf.linear_logprobs
+    with pytest.raises(ValueError, match="targets"):
+        f(h, w, torch.tensor([0, 1, 2, 3, 4, 10]))
+    with pytest.raises(ValueError, match="targets"):
+        f(h, w, torch.tensor([0, 1, -1, 3, 4, 5]))
+    with pytest.raises(ValueError, match="targets"):
+        f(h, w, y[:5])
+    with pytest.raises(TypeError, match="targets"):
+        f(h, w, y.float())
+    with pytest.raises(TypeError, match="weight"):
+        f(h, w.double(), y)
+    with pytest.raises(TypeError, match="hidden"):
+        f(h.double(), w.double(), y)
+    with pytest.raises(TypeError, match="hidden"):
+        f(h.tolist(), w, y)
+    with pytest.raises(ValueError, match="weight"):
+        f(h, w[:, :5], y)
+    with pytest.raises(ValueError, match="weight"):
+        f(h, w[:0], y)
+    with pytest.raises(ValueError, match="hidden"):
+        f(h[0], w, y)
+    with pytest.raises(ValueError, match="bias"):
+        f(h, w, y, bias=b[:9])
+    with pytest.raises(TypeError, match="bias"):
+        f(h, w, y, bias=b.double())
+    for t in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            f(h, w, y, temperature=t)
+    with pytest.raises(TypeError, match="temperature"):
+        f(h, w, y, temperature="1")
+    with pytest.raises(ValueError, match="chunk_size"):
+        f(h, w, y, chunk_size=0)
+    with pytest.raises(TypeError, match="chunk_size"):
+        f(h, w, y, chunk_size=2.5)
+    with pytest.raises(TypeError, match="return_entropy"):
+        f(h, w, y, return_entropy=1)
+    with pytest.raises(ValueError, match="backend"):
+        f(h, w, y, backend="cpp")
+    with pytest.raises(ValueError, match="backend"):
+        f(h, w, y, backend="nope")
+    if "triton" in BACKENDS:
+        with pytest.raises(ValueError, match="float32"):
+            f(h.bfloat16(), w.bfloat16(), y, backend="triton")

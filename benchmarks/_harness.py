@@ -102,10 +102,13 @@ def _sync(device):
 
 
 def time_fn(fn, device="cpu", *, warmup=2, budget_s=1.0, min_reps=3, max_reps=100) -> dict:
-    """Median and min wall time of `fn()` in ms, after `warmup` calls; also minor page faults per call."""
+    """Median and min wall time of `fn()` in ms, after `warmup` calls; also minor page faults per call.
+
+    `warmup=0` (for a caller that has just run `fn` itself) times `min_reps` calls.
+    """
     device = torch.device(device)
     est = float("inf")
-    for _ in range(max(warmup, 1)):
+    for _ in range(warmup):
         _sync(device)
         t0 = time.perf_counter()
         fn()

@@ -138,10 +138,15 @@ class ScriptedExpert(Engine):
             raise ValueError(f"drop_oldest_p must be in [0, 1], got {drop_oldest_p}")
         self.drop_oldest_p = float(drop_oldest_p)
         self.tokenizer = tokenizer or memory_tokenizer()
+        vocab = self.tokenizer.get_vocab()
+        self._words = [None] * (max(vocab.values()) + 1)  # id -> word, without per-call tokenizer overhead
+        for w, i in vocab.items():
+            self._words[i] = w
+        self._ids, self._eos = vocab, self.tokenizer.eos_token_id
         self._rng = random.Random(seed)
 
     def reply(self, context_ids, rng) -> str:
-        msgs = _messages(self.tokenizer.convert_ids_to_tokens(list(context_ids)))
+        msgs = _messages([self._words[i] for i in context_ids])
         users = [m for m in msgs if m[0] == "user"]
         last = users[-1][1] if users else []
         known = expert_knowledge(msgs)
@@ -159,7 +164,7 @@ class ScriptedExpert(Engine):
         rng = random.Random(seed) if seed is not None else self._rng
         out = []
         for p, cap in zip(prompts, caps):
-            ids = self.tokenizer.encode(self.reply(p, rng), add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            ids = [self._ids[w] for w in self.reply(p, rng).split()] + [self._eos]
             out.append(Generation(ids[:cap], [0.0] * min(cap, len(ids)), "stop" if cap >= len(ids) else "length"))
         return out
 

@@ -1,0 +1,138 @@
+"""pack(): the PackedBatch contract, and end to end: recorded rollout log-probs equal a fresh forward of
+the same model on the packed batch (with and without prefix sharing)."""
+import pytest
+import torch
+
+from compactionrl_fast.envs import MemoryEnv, expert_rollouts, memory_config, memory_tokenizer, tiny_llama
+from compactionrl_fast.packing import pack
+from compactionrl_fast.reference import place_final_rewards
+from compactionrl_fast.rollout import Rollout, Segment, TransformersEngine, run_rollouts
+
+from .helpers import FixedEngine, ListEnv, Recorder, check_fidelity, packed_logprobs
+
+TOK = memory_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_rollouts():
+    """Rollouts of a random tiny Llama on the memory task plus a failing env: long junk responses fill
+    the budget, so there are compactions, truncations and every segment kind."""
+    model = tiny_llama(len(TOK), seed=1)
+    eng = Recorder(TransformersEngine(model, pad_token_id=TOK.pad_token_id))
+    envs = [MemoryEnv(n_digits=3 + i % 5, n_fillers=5 + 3 * i, n_blank=i % 2) for i in range(9)]
+    envs.append(ListEnv(["la"] * 9, fail_at=1))
+    cfg = memory_config(temperature=1.0, max_turns=12, seed=7)
+    ros = run_rollouts(eng, envs, TOK, cfg, seeds=list(range(100, 110)))
+    return model, eng, ros, cfg
+
+
+def check_layout(b, ros):
+    T, S, R = b.num_tokens, b.segment_kind.numel(), len(ros)
+    assert b.input_ids.dtype == b.position_ids.dtype == b.cu_attn.dtype == b.cu_seqlens.dtype == torch.int64
+    assert b.loss_mask.dtype == torch.bool and b.rollout_logprobs.dtype == b.rewards.dtype == torch.float32
+    assert b.segment_kind.dtype == torch.int8 and b.rollout_rewards.shape == (R,)
+    assert b.cu_seqlens[0] == 0 and b.cu_seqlens[-1] == T and (b.cu_seqlens.diff() >= 0).all()
+    assert b.cu_attn[0] == 0 and b.cu_attn[-1] == T and (b.cu_attn.diff() > 0).all()
+    assert b.cu_segments.tolist() == [0] + list(torch.tensor([len(r.segments) for r in ros]).cumsum(0).tolist())
+    assert b.cu_segments[-1] == S and b.segment_attn.shape == (S,)
+    # every GAE segment is a contiguous range inside its attention sequence
+    for s in range(S):
+        a = int(b.segment_attn[s])
+        if b.cu_seqlens[s + 1] > b.cu_seqlens[s]:
+            assert b.cu_attn[a] <= b.cu_seqlens[s] and b.cu_seqlens[s + 1] <= b.cu_attn[a + 1]
+    # positions restart per attention sequence; nothing trainable at a sequence start
+    for a0, a1 in zip(b.cu_attn[:-1].tolist(), b.cu_attn[1:].tolist()):
+        assert b.position_ids[a0:a1].tolist() == list(range(a1 - a0))
+        assert not b.loss_mask[a0]
+    assert (b.rollout_logprobs[~b.loss_mask] == 0).all()
+    ref = place_final_rewards(b.rollout_rewards, b.loss_mask, b.cu_seqlens, b.cu_segments)
+    torch.testing.assert_close(b.rewards.double(), ref)
+
+
+@pytest.mark.parametrize("prefix_sharing", [False, True])
+def test_recorded_logprobs_equal_fresh_forward(model_rollouts, prefix_sharing):
+    model, eng, ros, cfg = model_rollouts
+    assert {r.finish_reason for r in ros} >= {"error"} and sum(r.compactions for r in ros) >= 5
+    assert any(r.truncated for r in ros)
+    b = pack(ros, prefix_sharing=prefix_sharing, mask_errors=False)
+    check_layout(b, ros)
+    assert b.num_trainable == sum(r.num_trainable for r in ros)
+    fresh = packed_logprobs(model, b)
+    m = b.loss_mask
+    torch.testing.assert_close(b.rollout_logprobs[m], fresh[m], rtol=0, atol=1e-4)
+    assert (b.rollout_logprobs[m] < 0).all()
+    kinds = b.token_segment_kind()
+    assert bool(m[kinds == 1].any()) and bool(m[kinds == 0].any())
+    if prefix_sharing:  # every summary shares its window's attention sequence
+        n_sum = int((b.segment_kind == 1).sum())
+        assert b.cu_attn.numel() - 1 == b.segment_kind.numel() - n_sum
+        assert b.num_tokens < pack(ros).num_tokens
+    else:
+        assert b.cu_attn.tolist() == b.cu_seqlens.tolist()
+
+
+def test_segments_are_the_sampled_tokens(model_rollouts):
+    model, eng, ros, cfg = model_rollouts
+    check_fidelity(ros, eng.calls, atol=0.0)
+    for r in ros:
+        assert all(len(s) <= cfg.budget for s in r.segments if s.kind == "exec")
+        assert [s.kind for s in r.segments] == ["exec", "summary"] * r.compactions + ["exec"]
+        assert r.summary_lengths == [s.num_trainable for s in r.segments if s.kind == "summary"]
+
+
+def test_masking_options(model_rollouts):
+    _, _, ros, _ = model_rollouts
+    full = pack(ros, mask_errors=False)
+    b = pack(ros)  # errors masked by default
+    err = [i for i, r in enumerate(ros) if r.error is not None]
+    assert err and b.errored[err].all()
+    for r in err:
+        lo, hi = int(b.cu_seqlens[b.cu_segments[r]]), int(b.cu_seqlens[b.cu_segments[r + 1]])
+        assert not b.loss_mask[lo:hi].any() and full.loss_mask[lo:hi].any()
+    t = pack(ros, mask_truncated=True)
+    for r, ro in enumerate(ros):
+        lo, hi = int(t.cu_seqlens[t.cu_segments[r]]), int(t.cu_seqlens[t.cu_segments[r + 1]])
+        assert bool(t.loss_mask[lo:hi].any()) == (not ro.truncated and ro.error is None and ro.num_trainable > 0)
+    ns = pack(ros, train_summaries=False)
+    assert not ns.loss_mask[ns.token_segment_kind() == 1].any()
+    st = pack(ros, reward_mode="stitched")
+    ref = place_final_rewards(st.rollout_rewards, st.loss_mask, st.cu_seqlens, st.cu_segments, mode="stitched")
+    torch.testing.assert_close(st.rewards.double(), ref)
+    assert b.compactions.tolist() == [r.compactions for r in ros]
+    assert b.truncated.tolist() == [r.truncated for r in ros] and b.finish_reasons == [r.finish_reason for r in ros]
+
+
+def test_expert_batch_layout():
+    ros = expert_rollouts(6, drop_oldest_p=0.0)
+    for sharing in (False, True):
+        b = pack(ros, prefix_sharing=sharing)
+        check_layout(b, ros)
+        assert b.success.all() and (b.compactions == 2).all() and (b.rollout_rewards == 1).all()
+        assert b.segment_kind.tolist() == [0, 1, 0, 1, 0] * 6
+        # paper mode: every segment's last trainable token carries the final reward
+        assert int((b.rewards != 0).sum()) == 5 * 6
+    shared = pack(ros, prefix_sharing=True)
+    assert shared.num_tokens / 6 < 330 < pack(ros).num_tokens / 6
+
+
+def test_empty_and_segmentless_rollouts():
+    ok = run_rollouts(FixedEngine(TOK), [ListEnv(["la", "lo"])], TOK, memory_config())[0]
+    failed = Rollout(finish_reason="error", error="boom")
+    b = pack([failed, ok, failed])
+    assert b.cu_segments.tolist() == [0, 0, 1, 1] and b.num_tokens == len(ok.segments[0])
+    e = pack([])
+    assert e.num_tokens == 0 and e.cu_seqlens.tolist() == [0] and e.cu_segments.tolist() == [0]
+
+
+def test_pack_rejects_bad_records():
+    good = Segment("exec", [1, 2, 3], [False, True, True], [0.0, -1.0, -2.0])
+    with pytest.raises(ValueError, match="reward_mode"):
+        pack([Rollout(segments=[good])], reward_mode="bogus")
+    with pytest.raises(ValueError, match="trainable"):
+        pack([Rollout(segments=[Segment("exec", [1], [True], [-1.0])])])
+    with pytest.raises(ValueError, match="length"):
+        pack([Rollout(segments=[Segment("exec", [1, 2], [False], [0.0])])])
+    bad_sum = Segment("summary", [1, 2, 9, 4], [False, False, False, True], [0, 0, 0, -1.0], shared_prefix=3)
+    with pytest.raises(ValueError, match="shared prefix"):
+        pack([Rollout(segments=[good, bad_sum])], prefix_sharing=True)
+    pack([Rollout(segments=[good, bad_sum])])  # without sharing the summary stands alone

@@ -35,6 +35,7 @@ class SFTConfig:
     min_lr_ratio: float = 0.05  # cosine decay to lr * min_lr_ratio
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    expert_drop_p: float = 0.55  # the built-in expert's summaries drop the oldest digit this often
 
 
 @dataclass

@@ -69,14 +69,14 @@ def all_reduce_grads(params, group=None) -> None:
 
 @dataclass
 class State:
-    """Models, optimisers and counters of a run. `step` counts actor updates, `critic_step` critic-only steps."""
+    """Models, optimisers and the step of a run. `step` counts iterations done: value pre-training steps
+    first, then actor updates."""
     cfg: TrainConfig
     actor: Any
     critic: Any
     opt_actor: torch.optim.Optimizer
     opt_critic: torch.optim.Optimizer
     step: int = 0
-    critic_step: int = 0
     group: Any = None
     extra: dict = field(default_factory=dict)
 
@@ -90,16 +90,14 @@ def make_state(cfg: TrainConfig, actor, critic, group=None) -> State:
 def save_state(state: State, run_dir: str) -> str:
     return checkpoint.save(run_dir, models={"actor": state.actor, "critic": state.critic},
                            optimizers={"actor": state.opt_actor, "critic": state.opt_critic},
-                           step=state.step, extra={"critic_step": state.critic_step, "config": to_dict(state.cfg),
-                                                   **state.extra})
+                           step=state.step, extra={"config": to_dict(state.cfg), **state.extra})
 
 
 def load_state(state: State, run_dir: str) -> None:
     info = checkpoint.load(run_dir, models={"actor": state.actor, "critic": state.critic},
                            optimizers={"actor": state.opt_actor, "critic": state.opt_critic})
     state.step = info["step"]
-    state.critic_step = info["extra"].get("critic_step", 0)
-    state.extra = {k: v for k, v in info["extra"].items() if k not in ("critic_step", "config")}
+    state.extra = {k: v for k, v in info["extra"].items() if k != "config"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,27 +120,28 @@ def selected_offsets(batch, idx, mask):
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)]), mask[idx]
 
 
+def concat_layout(batches, masks):
+    """One (loss_mask [T], cu_seqlens [S+1], cu_segments [R+1]) over micro-batches, `masks` replacing loss_mask."""
+    cu_seq, cu_seg = [torch.zeros(1, dtype=torch.long)], [torch.zeros(1, dtype=torch.long)]
+    t = s = 0
+    for b in batches:
+        cu_seq.append(b.cu_seqlens[1:].long() + t)
+        cu_seg.append(b.cu_segments[1:].long() + s)
+        t, s = t + b.loss_mask.numel(), s + b.cu_seqlens.numel() - 1
+    return torch.cat([m.reshape(-1) for m in masks]), torch.cat(cu_seq), torch.cat(cu_seg)
+
+
 def denominator(batches, masks, reduction: str, group=None):
-    """Global count of the reduction's units (tokens, segments or rollouts with a masked token)."""
+    """Global count (all micro-batches, all ranks) of the reduction's units: tokens, or segments or
+    rollouts with a masked token; None for "sum". At least 1, so an all-masked batch gives loss 0."""
+    from ..ops import global_denominator, global_token_count
+
     if reduction == "sum":
         return None
+    mask, cu_seq, cu_seg = concat_layout(batches, masks)
     if reduction == "token-mean":
-        from ..ops import global_token_count
-
-        n = global_token_count(torch.cat([m.reshape(-1) for m in masks]), group=group)
-        return max(int(n), 1)
-    local = 0
-    for b, m in zip(batches, masks):
-        seg, roll, _ = diagnostics.segment_ids(b)
-        S = b.cu_seqlens.numel() - 1
-        per_seg = torch.zeros(S, dtype=torch.long).index_add_(0, seg, m.long())
-        if reduction == "segment-mean":
-            local += int((per_seg > 0).sum())
-        else:
-            R = b.cu_segments.numel() - 1
-            per_roll = torch.zeros(R, dtype=torch.long).index_add_(0, roll, per_seg)
-            local += int((per_roll > 0).sum())
-    return max(int(global_sum(local, group)), 1)
+        return max(global_token_count(mask, group=group), 1)
+    return max(global_denominator(reduction, mask, cu_seqlens=cu_seq, cu_segments=cu_seg, group=group), 1)
 
 
 def advantages(batch, values, cfg: TrainConfig):
@@ -173,7 +172,7 @@ class _Mean:
 
     def add(self, metrics: dict, weight: float):
         for k, v in metrics.items():
-            v = float(v)
+            v = float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
             if math.isfinite(v):
                 self.sums[k] = self.sums.get(k, 0.0) + v * weight
                 self.weights[k] = self.weights.get(k, 0.0) + weight
@@ -197,7 +196,7 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
     critic.train()
     for k in range(max(cfg.critic_updates_per_step, 1)):
         state.opt_critic.zero_grad(set_to_none=True)
-        acc = _Mean()
+        acc, total = _Mean(), 0.0
         for i, b in enumerate(batches):
             v = value_head(critic_hidden(critic, b, idx[i]), critic.weight, critic.bias)  # [N]
             if k == 0:
@@ -208,11 +207,13 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
             loss, met = value_loss(v, old_v[i], ret[i][idx[i]], m, clip=cfg.value_clip, cu_seqlens=cu,
                                    cu_segments=b.cu_segments, reduction="token-mean", denominator=den_v)
             loss.backward()
-            acc.add({"value_loss": loss.detach() * den_v / max(idx[i].numel(), 1), **met}, idx[i].numel())
+            total += float(loss.detach())  # each micro-batch's share of the global-batch loss
+            acc.add(met, idx[i].numel())
         if cfg.critic_updates_per_step > 0:
             out["critic_grad_norm"] = _optim_step(critic.parameters(), state.opt_critic, cfg.max_grad_norm, group)
         if k == 0:
             out.update(acc.result("critic/"))
+            out["critic/value_loss"] = total
     # ---- actor
     if update_actor:
         actor.train()
@@ -241,7 +242,7 @@ def _actor_update(state, batches, idx, adv) -> dict:
     sel_p = [selected_offsets(b, i, m) for b, i, m in zip(batches, idx, pmask)]
     den_p = denominator(batches, pmask, cfg.loss_reduction, group)
     state.opt_actor.zero_grad(set_to_none=True)
-    acc = _Mean()
+    acc, total = _Mean(), 0.0
     for i, b in enumerate(batches):
         logp, ent = actor_logprobs(actor, b, idx[i], temperature=cfg.temperature, return_entropy=True)
         cu, m = sel_p[i]
@@ -258,8 +259,158 @@ def _actor_update(state, batches, idx, adv) -> dict:
             mis = {"rollout_kl": (torch.expm1(lr) - lr).mean() if n else torch.tensor(float("nan")),
                    "rollout_logp_absdiff_max": lr.abs().max() if n else torch.tensor(float("nan")),
                    "entropy": ent.detach()[m].mean() if n else torch.tensor(float("nan"))}
-        acc.add({"policy_loss": loss.detach(), **met, **mis}, n)
+        total += float(loss.detach())
+        acc.add({**met, **mis}, n)
     out = acc.result("actor/")
+    out["actor/policy_loss"] = total
     out["actor/grad_norm"] = _optim_step(actor.parameters(), state.opt_actor, cfg.max_grad_norm, group)
     out["actor/tokens"] = den_p if cfg.loss_reduction == "token-mean" else None
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the loop: rollouts -> micro-batches -> train_step, with logging, evaluation and checkpoints
+
+EVAL_SEED_BASE = 1_000_000_000  # evaluation tasks are seeded apart from every training task
+
+
+def train_seeds(cfg: TrainConfig, step: int, rank: int, n: int) -> list:
+    """Task seeds of this rank's rollouts at `step`: a function of (seed, step, rank) only, so that a
+    resumed run sees the same tasks. With group_size g, g consecutive rollouts share a task."""
+    base = (cfg.seed * 100_003 + step) * cfg.rollouts_per_step + rank * n
+    return [(base + i) // cfg.group_size for i in range(n)]
+
+
+def split_rollouts(rollouts: list, max_tokens: int) -> list:
+    """Contiguous groups of whole rollouts with at most `max_tokens` tokens each (one rollout may exceed it)."""
+    groups, cur, size = [], [], 0
+    for r in rollouts:
+        n = sum(len(s) for s in r.segments)
+        if cur and size + n > max_tokens:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(r)
+        size += n
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def rollout_metrics(rollouts: list, prefix: str = "") -> dict:
+    """Reward, success, compactions, summary length, finish reasons, and the environments' numeric info."""
+    n = max(len(rollouts), 1)
+    out = {"reward": sum(r.reward for r in rollouts) / n, "success": sum(r.success for r in rollouts) / n,
+           "compactions": sum(r.compactions for r in rollouts) / n,
+           "truncated": sum(r.truncated for r in rollouts) / n,
+           "errors": sum(r.finish_reason == "error" for r in rollouts) / n,
+           "turns": sum(len(r.turns) for r in rollouts) / n}
+    lens = [x for r in rollouts for x in r.summary_lengths]
+    out["summary_tokens"] = sum(lens) / len(lens) if lens else 0.0
+    keys = {k for r in rollouts for k, v in r.info.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for k in sorted(keys):
+        vals = [float(r.info[k]) for r in rollouts if isinstance(r.info.get(k), (int, float))]
+        out["info/" + k] = sum(vals) / len(vals)
+    return {prefix + k: v for k, v in out.items()}
+
+
+class MetricsLog:
+    """JSON lines in run_dir/metrics.jsonl (rank 0), and TensorBoard scalars when it is installed."""
+
+    def __init__(self, run_dir: str, *, resume_step: int | None = None, tensorboard: bool = True):
+        self.rank = world()[0]
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.tb = None
+        if self.rank != 0:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if resume_step is not None and os.path.isfile(self.path):
+            # drop rows logged after the checkpoint: those steps are redone
+            rows = [ln for ln in open(self.path) if ln.strip() and json.loads(ln).get("step", -1) < resume_step]
+            with open(self.path, "w") as f:
+                f.writelines(rows)
+        elif os.path.isfile(self.path):
+            os.remove(self.path)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            except Exception:  # noqa: BLE001 -- tensorboard is optional
+                self.tb = None
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.rank != 0:
+            return
+        row = {"step": step, **diagnostics.finite(metrics)}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+
+
+def evaluate(engine, make_envs, tokenizer, rollout_cfg, n: int, *, temperature: float, seed_base: int = EVAL_SEED_BASE,
+             chunk: int = 128, chat=None) -> tuple:
+    """Run `n` held-out rollouts (this rank's share) at `temperature` (0: greedy). Returns (metrics, rollouts)."""
+    from ..rollout.loop import run_rollouts
+
+    rank, ws = world()
+    seeds = [seed_base + i for i in range(n) if i % ws == rank]
+    cfg = rollout_cfg.replace(temperature=temperature, seed=seed_base + rank)
+    out = []
+    for i in range(0, len(seeds), chunk):
+        s = seeds[i:i + chunk]
+        out += run_rollouts(engine, make_envs(len(s)), tokenizer, cfg, s, chat=chat)
+    m = rollout_metrics(out)
+    if ws > 1:  # average over ranks (equal shares up to one rollout)
+        m = {k: global_sum(v * len(out)) / max(global_sum(len(out)), 1) for k, v in m.items()}
+    return m, out
+
+
+def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_dir: str, log: MetricsLog | None = None,
+        progress=None, eval_fn=None, chat=None) -> State:
+    """Value pre-training then PPO, from `state.step` to `value_pretrain_steps + steps` iterations.
+
+    Args:
+        engine: generation engine sharing (or loading) the actor's weights.
+        make_envs: n -> list of n environments. rollout_cfg: RolloutConfig.
+        pack: rollouts -> PackedBatch. eval_fn: (state) -> dict, called every cfg.eval_every actor steps.
+    """
+    from ..rollout.loop import run_rollouts
+
+    cfg = state.cfg
+    rank, ws = world()
+    if cfg.rollouts_per_step % ws:
+        raise ValueError(f"rollouts_per_step={cfg.rollouts_per_step} is not divisible by the world size {ws}")
+    n_local = cfg.rollouts_per_step // ws
+    total = cfg.value_pretrain_steps + cfg.steps
+    log = log or MetricsLog(run_dir, resume_step=state.step)
+    while state.step < total:
+        it = state.step
+        pretrain = it < cfg.value_pretrain_steps
+        t0 = time.perf_counter()
+        # the sampling seed is a function of the step too: a resumed run draws the same rollouts
+        rcfg = rollout_cfg.replace(temperature=cfg.temperature, seed=(cfg.seed * 100_003 + it) * 1009 + rank)
+        rollouts = run_rollouts(engine, make_envs(n_local), tokenizer, rcfg, train_seeds(cfg, it, rank, n_local),
+                                chat=chat)
+        t1 = time.perf_counter()
+        batches = [pack(g) for g in split_rollouts(rollouts, cfg.micro_batch_tokens)]
+        gap = bool(cfg.gap_every) and (it % cfg.gap_every == 0)
+        metrics = train_step(state, batches, update_actor=not pretrain, gap=gap)
+        t2 = time.perf_counter()
+        metrics.update(rollout_metrics(rollouts))
+        metrics.update({"phase": "value_pretrain" if pretrain else "ppo", "time/rollout_s": t1 - t0,
+                        "time/train_s": t2 - t1, "actor_step": max(0, it + 1 - cfg.value_pretrain_steps)})
+        state.step = it + 1
+        if eval_fn is not None and not pretrain and cfg.eval_every and (state.step - cfg.value_pretrain_steps) % cfg.eval_every == 0:
+            metrics.update(eval_fn(state))
+        if it % cfg.log_every == 0 or state.step == total:
+            log.log(it, metrics)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(succ=f"{metrics['success']:.2f}", R=f"{metrics['reward']:.2f}",
+                                 ph="V" if pretrain else "PPO")
+        if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and rank == 0:
+            save_state(state, run_dir)
+    return state

@@ -1,0 +1,317 @@
+"""The CPU demo: a from-scratch agent learns, with CompactionRL, to write summaries that survive compaction.
+
+On the built-in memory task (collect 6 digits over 6 turns, answer them in order; every episode compacts
+twice, so the first digits reach the answer only through the summaries): build the tokenizer and a tiny
+Llama, SFT on a scripted expert whose summaries systematically drop the oldest digit, then CompactionRL
+(value pre-training, PPO with compaction), then the same RL budget with summary tokens out of the policy
+loss (the ablation). Every model is evaluated on held-out tasks (sampling at the rollout temperature,
+and greedy); the table, the plots and results JSON/markdown are written at the end.
+
+`train` is the generic entry point of `python -m compactionrl_fast train` on the same task.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import platform
+import time
+
+import torch
+
+from .train import checkpoint
+from .train.config import TrainConfig, dumps, to_dict, update
+from .train.trainer import (EVAL_SEED_BASE, MetricsLog, evaluate, fit, load_state, make_state, save_state,
+                            split_rollouts, world)
+
+SFT_SEED_BASE = 2_000_000_000  # demonstrations are seeded apart from RL and evaluation tasks
+
+
+def _tqdm(**kw):
+    from tqdm.auto import tqdm
+
+    return tqdm(dynamic_ncols=True, **kw)
+
+
+def task(cfg: TrainConfig):
+    """(tokenizer, make_envs, rollout config) of the built-in memory task from cfg.env / cfg.rollout."""
+    from .envs.memory import MemoryEnv, memory_config, memory_tokenizer
+
+    tok = memory_tokenizer()
+    rcfg = memory_config(**cfg.rollout)
+    return tok, (lambda n: [MemoryEnv(**cfg.env) for _ in range(n)]), rcfg
+
+
+def packer(cfg: TrainConfig):
+    from .packing import pack
+
+    mode = "stitched" if cfg.cross_segment == "stitched" else "paper"
+    return lambda rollouts: pack(rollouts, prefix_sharing=True, reward_mode=mode)
+
+
+def build(cfg: TrainConfig, tok, device="cpu"):
+    """A fresh actor for the tokenizer (seeded by cfg.seed), or the pretrained one of cfg.model."""
+    from .train.model import build_actor
+
+    torch.manual_seed(cfg.seed)
+    return build_actor(cfg.model, len(tok), device=device, pad_token_id=tok.pad_token_id,
+                       eos_token_id=tok.eos_token_id)
+
+
+def run_sft(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, log=None, progress=True):
+    """Supervised warm start on fresh expert demonstrations every step."""
+    from .envs.memory import ScriptedExpert
+    from .rollout.loop import run_rollouts
+    from .train import sft
+
+    s = cfg.sft
+    rank, ws = world()
+    opt = sft.make_optimizer(actor, s)
+    pack = packer(cfg)
+    expert = ScriptedExpert(s.expert_drop_p, seed=cfg.seed)
+    n = max(s.segments_per_step // 5, 1)  # the task's rollouts hold 5 segments each
+    n_local = max(n // ws, 1)
+    bar = _tqdm(total=s.steps, desc=f"SFT    seed {cfg.seed}", disable=not progress or rank != 0)
+    m = {}
+    for step in range(s.steps):
+        seeds = [SFT_SEED_BASE + (cfg.seed * 100_003 + step) * n + rank * n_local + i for i in range(n_local)]
+        demos = run_rollouts(expert, make_envs(n_local), tok, rcfg, seeds)
+        batches = [pack(g) for g in split_rollouts(demos, cfg.micro_batch_tokens)]
+        m = sft.sft_step(actor, opt, batches, s, lr=sft.lr_at(step, s.steps, s))
+        if log is not None and (step % 10 == 0 or step == s.steps - 1):
+            log.log(step, m)
+        bar.update(1)
+        bar.set_postfix(loss=f"{m['sft/loss']:.3f}")
+    bar.close()
+    return m
+
+
+def run_rl(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, progress=True, resume=False):
+    """Critic from the actor, value pre-training, PPO. Returns the trained State."""
+    from .rollout.engines.transformers_engine import TransformersEngine
+    from .train.model import critic_from_actor
+
+    critic = critic_from_actor(actor)
+    state = make_state(cfg, actor, critic)
+    if resume and checkpoint.exists(cfg.run_dir):
+        load_state(state, cfg.run_dir)
+    engine = TransformersEngine(actor, pad_token_id=tok.pad_token_id)
+    total = cfg.value_pretrain_steps + cfg.steps
+    desc = ("RL-abl " if not cfg.train_summary_tokens else "RL     ") + f"seed {cfg.seed}"
+    bar = _tqdm(total=total, initial=state.step, desc=desc, disable=not progress or world()[0] != 0)
+    fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=packer(cfg),
+        run_dir=cfg.run_dir, log=MetricsLog(cfg.run_dir, resume_step=state.step if resume else None), progress=bar)
+    bar.close()
+    if world()[0] == 0:
+        save_state(state, cfg.run_dir)
+    return state
+
+
+def run_eval(actor, tok, make_envs, rcfg, n: int, temperature: float) -> dict:
+    """Success on `n` held-out tasks, sampled at `temperature` and greedy."""
+    from .rollout.engines.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine(actor, pad_token_id=tok.pad_token_id)
+    out = {}
+    for name, t in (("sampled", temperature), ("greedy", 0.0)):
+        m, ro = evaluate(engine, make_envs, tok, rcfg, n, temperature=t, seed_base=EVAL_SEED_BASE)
+        out[name] = {"success": m["success"], "reward": m["reward"],
+                     "accuracy": m.get("info/accuracy"), "compactions": m["compactions"],
+                     "summary_tokens": m["summary_tokens"], "summary_recall": summary_recall(ro)}
+    return out
+
+
+def summary_recall(rollouts) -> float | None:
+    """Fraction of summaries holding every digit revealed before them (the skill RL has to learn)."""
+    hits = total = 0
+    for r in rollouts:
+        digits = [w for t in r.turns for w in _digit(t.observation)]
+        for k, text in enumerate(r.summaries):
+            # digits observed in the windows before summary k+1
+            seen = sum(1 for t in r.turns if t.window <= k and _digit(t.observation))
+            words = text.split()
+            total += 1
+            hits += words[1:] == digits[:seen]
+    return hits / total if total else None
+
+
+def _digit(obs: str) -> list:
+    w = obs.split()
+    return [w[2]] if len(w) >= 3 and w[0] == "digit" else []
+
+
+def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512, out_dir="benchmarks/results",
+        name="demo_cpu", argv=()) -> dict:
+    """The whole demo; writes OUT/NAME.json, OUT/NAME.md, OUT/NAME.png and per-run plots."""
+    from .train.plots import plot_run
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    t0 = time.time()
+    tok, make_envs, rcfg = task(cfg)
+    results = {"command": "python -m compactionrl_fast " + " ".join(argv), "config": to_dict(cfg),
+               "machine": _machine(), "runs": {}}
+    for seed in seeds:
+        scfg = update(cfg, {"seed": seed})
+        root = os.path.join(cfg.run_dir, f"seed{seed}")
+        res = results["runs"][str(seed)] = {}
+        t = time.time()
+        actor = build(scfg, tok)
+        os.makedirs(root, exist_ok=True)
+        sft_m = run_sft(update(scfg, {"run_dir": os.path.join(root, "sft")}), actor, tok, make_envs, rcfg,
+                        log=MetricsLog(os.path.join(root, "sft")))
+        res["sft_time_s"] = time.time() - t
+        res["sft_final_loss"] = sft_m.get("sft/loss")
+        sft_weights = copy.deepcopy(actor.state_dict())
+        res["sft"] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature)
+        _print_eval(f"seed {seed} SFT", res["sft"])
+        variants = [("full", True)] + ([("ablation", False)] if seed in ablation_seeds else [])
+        for vname, train_summaries in variants:
+            t = time.time()
+            actor.load_state_dict(sft_weights)
+            vcfg = update(scfg, {"run_dir": os.path.join(root, vname), "train_summary_tokens": train_summaries})
+            run_rl(vcfg, actor, tok, make_envs, rcfg)
+            res[f"{vname}_time_s"] = time.time() - t
+            res[vname] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature)
+            _print_eval(f"seed {seed} {vname}", res[vname])
+            plot_run(vcfg.run_dir)
+    results["total_time_s"] = time.time() - t0
+    results["summary"] = _summary(results)
+    _write(results, out_dir, name)
+    print(_table(results))
+    print(f"total {results['total_time_s'] / 60:.1f} min; results in {os.path.join(out_dir, name)}.{{json,md,png}}")
+    return results
+
+
+def _machine() -> dict:
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "loadavg_start": load}
+
+
+def _print_eval(label, ev):
+    s, g = ev["sampled"], ev["greedy"]
+    print(f"[{label}] success sampled {s['success']:.3f} greedy {g['success']:.3f} "
+          f"summary recall {s['summary_recall'] if s['summary_recall'] is not None else float('nan'):.3f}", flush=True)
+
+
+def _summary(results) -> dict:
+    runs = results["runs"].values()
+    full = [r["full"]["sampled"]["success"] for r in runs if "full" in r]
+    abl = [(r["full"]["sampled"]["success"], r["ablation"]["sampled"]["success"]) for r in runs if "ablation" in r]
+    sft_g = [r["sft"]["greedy"]["success"] for r in runs]
+    return {"full_success": full, "sft_greedy_success": sft_g,
+            "ablation_gap": [a - b for a, b in abl],
+            "targets": {"sft_greedy_le_0.1": all(x <= 0.1 for x in sft_g),
+                        "full_ge_0.9_every_seed": bool(full) and all(x >= 0.9 for x in full),
+                        "ablation_ge_0.3_below": bool(abl) and all(a - b >= 0.3 for a, b in abl)}}
+
+
+def _table(results) -> str:
+    lines = ["| seed | model | success (T=1) | success (greedy) | answer accuracy | summary recall | minutes |",
+             "|---|---|---|---|---|---|---|"]
+    for seed, r in results["runs"].items():
+        for k in ("sft", "full", "ablation"):
+            if k not in r:
+                continue
+            s, g = r[k]["sampled"], r[k]["greedy"]
+            f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+            label = {"sft": "SFT start", "full": "CompactionRL", "ablation": "ablation: summaries out of the loss"}[k]
+            lines.append(f"| {seed} | {label} | {f(s['success'])} | {f(g['success'])} | {f(s['accuracy'])} | "
+                         f"{f(s['summary_recall'])} | {r.get(k + '_time_s', 0) / 60:.1f} |")
+    return "\n".join(lines)
+
+
+def _write(results, out_dir, name):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    t = results["summary"]["targets"]
+    md = [f"# CPU demo ({name})", "", f"Command: `{results['command']}`", "",
+          f"Machine: {results['machine']}; total {results['total_time_s'] / 60:.1f} min.", "",
+          "Evaluation: held-out tasks, success = exact answer; summary recall = fraction of summaries that "
+          "hold every digit seen before them.", "", _table(results), "",
+          "Targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in t.items()), ""]
+    with open(os.path.join(out_dir, name + ".md"), "w") as f:
+        f.write("\n".join(md))
+    _curves(results, os.path.join(out_dir, name + ".png"))
+
+
+def _curves(results, path):
+    """Training success of the full method and the ablation, per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .train.plots import read_metrics
+
+    run_dir = results["config"]["run_dir"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for seed in results["runs"]:
+        for v, style in (("full", "-"), ("ablation", "--")):
+            p = os.path.join(run_dir, f"seed{seed}", v, "metrics.jsonl")
+            if os.path.isfile(p):
+                rows = [r for r in read_metrics(p) if r.get("phase") == "ppo"]
+                ax.plot([r["actor_step"] for r in rows], [r["success"] for r in rows], style, label=f"{v} seed {seed}")
+    ax.set_xlabel("actor update")
+    ax.set_ylabel("training success (T=1)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# `python -m compactionrl_fast train` (single process or torchrun)
+
+
+def _init_distributed(cfg: TrainConfig):
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        dist.init_process_group("nccl" if cuda else "gloo")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def train(cfg: TrainConfig, *, resume: bool = True):
+    """SFT (when cfg.sft.steps > 0 and no checkpoint exists) then value pre-training and PPO."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    _init_distributed(cfg)
+    rank, _ = world()
+    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if device != "cpu":
+        raise NotImplementedError("the built-in task trains on CPU tensors; device=cuda is not wired yet")
+    tok, make_envs, rcfg = task(cfg)
+    torch.manual_seed(cfg.seed + 7919 * rank)
+    actor = build(cfg, tok)
+    if rank == 0:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
+            f.write(dumps(cfg))
+    sft_path = os.path.join(cfg.run_dir, "sft_actor.pt")
+    has_ckpt = resume and checkpoint.exists(cfg.run_dir)
+    if cfg.sft.steps > 0 and not has_ckpt:
+        if resume and os.path.isfile(sft_path):
+            actor.load_state_dict(torch.load(sft_path))
+        else:
+            run_sft(cfg, actor, tok, make_envs, rcfg, log=MetricsLog(os.path.join(cfg.run_dir, "sft")),
+                    progress=cfg.progress)
+            if rank == 0:
+                torch.save(actor.state_dict(), sft_path)
+    state = run_rl(cfg, actor, tok, make_envs, rcfg, progress=cfg.progress, resume=resume)
+    if rank == 0:
+        from .train.plots import plot_run
+
+        plot_run(cfg.run_dir)
+        actor.save_pretrained(os.path.join(cfg.run_dir, "actor"))
+        tok.save_pretrained(os.path.join(cfg.run_dir, "actor"))
+    return state

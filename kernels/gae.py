@@ -221,21 +221,20 @@ def _sig(idx):
     return {"mask_ptr": "*u8", "cu_ptr": f"*{idx}", "cb_ptr": "*i64", "seg_ptr": "*i64"}
 
 
-# (kernel name, signature, constexprs) compiled ahead of time for sm_80/sm_90 by tests/test_aot.py
-AOT_SPECS = [("_count_kernel", dict(_sig(idx), counts_ptr="*i64", n_chunks="i64"), {"BLOCK": 1024})
+# (kernel name, signature, constexprs) compiled ahead of time for sm_80/sm_90 by tests/test_aot.py: every
+# flag combination with int64 offsets, the default path (WRITE, OWN_CRITIC) with int32 offsets too
+_CHUNK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", gl_ptr="*fp64", glc_ptr="*fp64", scale_ptr="*fp64",
+                  reset_ptr="*u8", gamma_ptr="*fp64", carry_ptr="*fp64", summary_ptr="*fp64", adv_ptr="*fp32",
+                  ret_ptr="*fp32", n_chunks="i64")
+AOT_SPECS = [("_count_kernel", dict(_sig(idx), counts_ptr="*i64", n_chunks="i64"), {"BLOCK": 256})
              for idx in ("i32", "i64")]
-AOT_SPECS += [
-    ("_gae_chunk_kernel",
-     dict(rew_ptr="*fp32", val_ptr="*fp32", **_sig(idx), gl_ptr="*fp64", glc_ptr="*fp64", scale_ptr="*fp64",
-          reset_ptr="*u8", gamma_ptr="*fp64", carry_ptr="*fp64", summary_ptr="*fp64", adv_ptr="*fp32",
-          ret_ptr="*fp32", n_chunks="i64"),
-     {"BLOCK": 512, "WRITE": write, "OWN_CRITIC": own})
-    for idx in ("i32", "i64") for write in (False, True) for own in (False, True)
-]
+AOT_SPECS += [("_gae_chunk_kernel", dict(_sig(idx), **_CHUNK_SIG), {"BLOCK": 256, "WRITE": write, "OWN_CRITIC": own})
+              for idx, write, own in [("i64", False, False), ("i64", False, True), ("i64", True, False),
+                                      ("i64", True, True), ("i32", True, True)]]
 AOT_SPECS += [("_gae_carry_kernel", {"summary_ptr": "*fp64", "carry_ptr": "*fp64", "n_chunks": "i64"},
                {"BLOCK": 256})]
 
-BLOCK = 512             # tokens per block on GPU (AOT_SPECS checks it for spills at 4 warps)
+BLOCK = 256             # tokens per block on GPU: 126 registers at 4 warps (512: 200, 1024: spills)
 INTERPRET_BLOCK = 32768  # at most; the interpreter pays per operation, not per element: few, large blocks
 CARRY_BLOCK = 256       # chunk maps per block in phase 2
 NUM_WARPS = 4

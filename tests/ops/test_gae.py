@@ -319,7 +319,7 @@ def test_triton_blocks_and_chunks_cross_segments(monkeypatch, block, chunk):
 @needs_triton
 def test_triton_gpu_sized_blocks_on_long_segments(monkeypatch):
     """The GPU block size, chunks of two blocks: segments of up to 3001 tokens span several blocks and chunks."""
-    _with_plan(monkeypatch, block=512, chunk=1024)
+    _with_plan(monkeypatch, block=kgae.BLOCK, chunk=2 * kgae.BLOCK)
     b = packed_batch(SHAPE_TABLE["long_multiblock"], seed=11)
     for mode in MODES:
         _check_backend("triton", b, cross_segment=mode)

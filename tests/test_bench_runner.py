@@ -1,0 +1,100 @@
+"""The benchmark runner (`python -m benchmarks`) on a tiny fake suite: discovery, size flags, one table,
+JSON with its tags, charts, failures; the compare logic; pytest-benchmark collection of the real scripts."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from benchmarks import __main__ as runner
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FAST = textwrap.dedent('''
+    """A fake benchmark: rows that record the flags it was given."""
+    import argparse, json, sys
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--full", action="store_true")
+    p.add_argument("--device")
+    p.add_argument("--budget", type=float)
+    p.add_argument("--json")
+    a = p.parse_args()
+    size = "quick" if a.quick else "full" if getattr(a, "full", False) else "default"
+    rows = [{"shape": "8x8", "name": n, "median_ms": ms, "gbps": gb, "x_naive": 10.0 / ms, "setting": size,
+             "env": {"device": "fake", "git": "abc"}} for n, ms, gb in (("fused", 1.0, 2.0), ("naive", 10.0, 0.2))]
+    with open(a.json, "w") as f:
+        json.dump({"meta": {}, "rows": rows}, f)
+''')
+BROKEN = 'import sys\nprint("boom", file=sys.stderr)\nsys.exit(3)\n'
+NO_FULL = FAST.replace('p.add_argument("--full", action="store_true")\n', "")
+
+
+@pytest.fixture()
+def fake_root(tmp_path):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "__init__.py").write_text("")
+    (tmp_path / "benchmarks" / "bench_fast.py").write_text(FAST)
+    (tmp_path / "benchmarks" / "bench_broken.py").write_text(BROKEN)
+    return tmp_path
+
+
+def test_runner_on_a_fake_suite(fake_root, tmp_path, capsys):
+    out = tmp_path / "res" / "suite.json"
+    rc = runner.main(["--root", str(fake_root), "--json", str(out), "--no-roofline", "--quick", "--timeout", "60"])
+    assert rc == 1  # bench_broken failed; the others still ran
+    text = capsys.readouterr().out
+    assert "fused" in text and "naive 10x" in text and "FAILED broken: exit 3: boom" in text
+    data = json.loads(out.read_text())
+    meta = data["meta"]
+    assert meta["kind"] == "suite" and meta["config"]["size"] == "quick" and meta["config"]["benches"] == ["broken", "fast"]
+    assert set(meta["env"]) >= {"device", "torch", "triton", "git", "date"}
+    assert meta["failures"].keys() == {"broken"} and meta["command"].startswith("python -m benchmarks")
+    assert [r["bench"] for r in data["rows"]] == ["fast", "fast"] and data["rows"][0]["setting"] == "quick"
+    assert (tmp_path / "res" / "suite-fast.png").stat().st_size > 1000
+    assert "boom" in (tmp_path / "res" / "suite.log").read_text()
+
+
+def test_size_flags(fake_root, tmp_path):
+    (fake_root / "benchmarks" / "bench_nofull.py").write_text(NO_FULL)
+    opts = runner.script_options(str(fake_root), "fast")
+    assert {"--quick", "--full", "--json"} <= opts
+    assert "--full" not in runner.script_options(str(fake_root), "nofull")
+    argv = lambda name, size: runner.script_argv(runner.script_options(str(fake_root), name), size, "cpu", 0.1, 2)
+    assert argv("fast", "quick")[-1] == "--quick" and argv("fast", "full")[-1] == "--full"
+    assert "--quick" not in argv("fast", "default") and "--full" not in argv("fast", "default")
+    # a script without --full defaults to the issue-sized shapes: the moderate default runs its --quick
+    assert argv("nofull", "default")[-1] == "--quick" and "--quick" not in argv("nofull", "full")
+    assert "--threads" not in argv("fast", "default")
+    out = tmp_path / "d.json"
+    assert runner.main(["--root", str(fake_root), "--only", "fast", "--json", str(out), "--no-roofline",
+                        "--no-charts"]) == 0
+    assert json.loads(out.read_text())["rows"][0]["setting"] == "default"
+    with pytest.raises(SystemExit, match="bench_nope"):
+        runner.main(["--root", str(fake_root), "--only", "nope"])
+
+
+def test_compare_rows_and_argv_strip():
+    here = [{"bench": "gae", "shape": "a", "name": "cpp", "median_ms": 2.0},
+            {"bench": "gae", "shape": "a", "name": "new", "median_ms": 1.0}]
+    base = [{"bench": "gae", "shape": "a", "name": "cpp", "median_ms": 3.0}]
+    (row,) = runner.compare_rows(here, base)
+    assert row["speedup"] == 1.5 and row["base_ms"] == 3.0
+    assert runner._strip(["--quick", "--compare", "HEAD~1", "--json=x", "--no-charts", "--only", "gae"],
+                         ("--compare", "--json"), ("--no-charts",)) == ["--quick", "--only", "gae"]
+
+
+def test_roofline_numbers_are_positive():
+    roof = runner.roofline("cpu", 0.05, copy_bytes=1 << 24, matmul_n=256)
+    assert roof["copy_gbps"] > 0 and roof["matmul_tflops"] > 0
+    rows = runner.add_roofline([{"gbps": roof["copy_gbps"] / 2}, {"tflops": roof["matmul_tflops"]}], roof)
+    assert rows[0]["of_copy_bw"] == pytest.approx(0.5) and rows[1]["of_matmul"] == pytest.approx(1.0)
+
+
+def test_benchmarks_are_collected_by_pytest_benchmark():
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "benchmarks"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "benchmarks/bench_gae.py::" in out.stdout

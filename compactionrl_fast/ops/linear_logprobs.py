@@ -42,26 +42,29 @@ def _logits(h_c, weight, bias, inv_t, out):
 
 
 def _stats_torch(z, y, lse, logp, ent, tmp):
-    """lse, logp (and entropy) of the fp32 logits z [c, V]; z and tmp are clobbered."""
+    """lse, logp (and entropy) of the fp32 logits z [c, V]. With a tmp buffer, leaves z - max in z and
+    returns the shift [c] that turns it into log p; without one (no entropy), clobbers z."""
     z_y = z.gather(1, y[:, None])[:, 0]
     m = z.amax(1)
     z.sub_(m[:, None])  # d = z - max
-    e = torch.exp(z, out=tmp) if ent is not None else z.exp_()
+    e = z.exp_() if tmp is None else torch.exp(z, out=tmp)
     s = e.sum(1)
-    lse.copy_(m + s.log())
+    log_s = s.log()
+    lse.copy_(m + log_s)
     logp.copy_(z_y - lse)
     if ent is not None:  # H = log s - E[d], never lse - E[z] (cancellation when lse is large)
-        ent.copy_(s.log() - e.mul_(z).sum(1) / s)  # mul + pairwise sum: 10x more precise than a bmm dot
+        ent.copy_(log_s - e.mul_(z).sum(1) / s)  # mul + pairwise sum: 10x more precise than a bmm dot
+    return log_s
 
 
-def _dlogits_torch(z, y, lse, ent, g_lp, g_ent, tmp):
-    """z [c, V] fp32 logits -> dL/dz in place: g_lp * (e_y - p) - g_ent * p * (log p + H)."""
+def _dlogits_torch(z, y, shift, ent, g_lp, g_ent, tmp):
+    """z [c, V] fp32 with log p = z - shift -> dL/dz in place: g_lp * (e_y - p) - g_ent * p * (log p + H)."""
     if g_ent is None:
-        z.sub_(lse[:, None]).exp_().mul_(-g_lp[:, None])
+        z.sub_(shift[:, None]).exp_().mul_(-g_lp[:, None])
     else:
-        p = torch.sub(z, lse[:, None], out=tmp).exp_()
-        # -p * (g_lp + g_ent * (z - lse + H)) = p * (-g_ent * z - (g_lp + g_ent * (H - lse)))
-        c = -(g_lp + g_ent * (ent - lse))
+        p = torch.sub(z, shift[:, None], out=tmp).exp_()
+        # -p * (g_lp + g_ent * (z - shift + H)) = p * (-g_ent * z - (g_lp + g_ent * (H - shift)))
+        c = -(g_lp + g_ent * (ent - shift))
         torch.addcmul(c[:, None], z, -g_ent[:, None], out=z).mul_(p)
     z.scatter_add_(1, y[:, None], g_lp[:, None])
     return z
@@ -78,6 +81,9 @@ class _Chunker:
         self.fbuf = None if use_triton or weight.dtype == torch.float32 else torch.empty(C, V, device=dev)
         self.tmp = torch.empty(C, V, device=dev) if need_tmp and not use_triton else None
 
+    def _tmp(self, z):
+        return None if self.tmp is None else self.tmp[:z.shape[0]]
+
     def logits(self, sl):
         """(z in the matmul dtype, z in fp32 for the PyTorch path) of the rows `sl`."""
         c = sl.stop - sl.start
@@ -87,20 +93,22 @@ class _Chunker:
         return x, self.fbuf[:c].copy_(x)
 
     def stats(self, sl, y, lse, logp, ent):
+        """Write lse, logp, ent of rows `sl`. Returns the chunk's state (x, z, shift) for `dlogits`."""
         x, z = self.logits(sl)
         if self.use_triton:
             from ..kernels.linear_logprobs import linear_logprobs_stats
             linear_logprobs_stats(x, y, lse, logp, ent)
-        else:
-            _stats_torch(z, y, lse, logp, ent, None if self.tmp is None else self.tmp[:z.shape[0]])
+            return x, z, lse
+        return x, z, _stats_torch(z, y, lse, logp, ent, self._tmp(z))
 
-    def dlogits(self, sl, y, lse, ent, g_lp, g_ent):
-        """dL/dz of the rows `sl` in the matmul dtype (a view of the chunk buffer)."""
-        x, z = self.logits(sl)
+    def dlogits(self, sl, y, lse, ent, g_lp, g_ent, state=None):
+        """dL/dz of the rows `sl` in the matmul dtype (a view of the chunk buffer). Recomputes the logits
+        unless `state` (from `stats` on this chunk) still holds them."""
+        x, z, shift = state if state is not None else (*self.logits(sl), lse)
         if self.use_triton:
             from ..kernels.linear_logprobs import linear_logprobs_dlogits
-            return linear_logprobs_dlogits(x, y, lse, ent, g_lp, g_ent)
-        _dlogits_torch(z, y, lse, ent, g_lp, g_ent, None if self.tmp is None else self.tmp[:z.shape[0]])
+            return linear_logprobs_dlogits(x, y, shift, ent, g_lp, g_ent)
+        _dlogits_torch(z, y, shift, ent, g_lp, g_ent, self._tmp(z))
         return x if x is z else x.copy_(z)
 
 
@@ -198,10 +206,61 @@ class LinearLogprobsFunction(torch.autograd.Function):
         return dh, dw, db, None, None, None, None, None
 
 
+def _chunk_upstream(token_loss, logp, ent, sl):
+    """Value and gradients of the caller's loss on one chunk: (loss, dL/dlogp [c], dL/dentropy [c] or None)."""
+    with torch.enable_grad():
+        lp = logp.detach().requires_grad_()
+        en = None if ent is None else ent.detach().requires_grad_()
+        loss = token_loss(lp, en, sl)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"token_loss must return a one-element tensor, got {type(loss).__name__} "
+                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        leaves = [lp] if en is None else [lp, en]
+        grads = [None] * len(leaves)
+        if loss.requires_grad:
+            grads = list(torch.autograd.grad(loss.sum(), leaves, allow_unused=True))
+    grads = [torch.zeros_like(x) if g is None else g.float() for g, x in zip(grads, leaves)]
+    return loss.detach().float().sum(), grads[0], (grads[1] if en is not None else None)
+
+
+class LinearLogprobsLossFunction(torch.autograd.Function):
+    """The fused variant: the caller's loss is applied chunk by chunk inside the forward loop, so each
+    chunk's gradients come from logits still in the buffer (3 matmuls, no recompute). Backward only
+    scales the stored gradients by the upstream scalar."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, token_loss, inv_t, C, want_entropy, use_triton):
+        T, dev = hidden.shape[0], hidden.device
+        lse, logp = _alloc.empty(T, device=dev), _alloc.empty(T, device=dev)
+        ent = _alloc.empty(T, device=dev) if want_entropy else None
+        chunks = _chunks(T, C)
+        ck = _Chunker(hidden, weight, bias, inv_t, C, use_triton, need_tmp=True)
+        grads = _Grads(hidden, weight, bias, tuple(ctx.needs_input_grad[:3]), len(chunks))
+        total = torch.zeros((), device=dev)
+        for sl in chunks:
+            y, e = targets[sl], None if ent is None else ent[sl]
+            state = ck.stats(sl, y, lse[sl], logp[sl], e)
+            loss, g_lp, g_ent = _chunk_upstream(token_loss, logp[sl], e, sl)
+            total += loss
+            d = ck.dlogits(sl, y, lse[sl], e, g_lp * inv_t, None if g_ent is None else g_ent * inv_t, state)
+            grads.add(sl, d)
+        ctx.grads = grads.result()
+        ctx.mark_non_differentiable(logp, *([ent] if want_entropy else []))
+        return (total, logp, ent) if want_entropy else (total, logp)
+
+    @staticmethod
+    def backward(ctx, g_loss, *unused):
+        scale = lambda g: None if g is None else (g if bool(g_loss == 1) else g * g_loss.to(g.dtype))
+        dh, dw, db = (scale(g) for g in ctx.grads)
+        ctx.grads = None
+        return dh, dw, db, None, None, None, None, None, None
+
+
 # ---------------------------------------------------------------- public function
 
 
-def _check_inputs(hidden, weight, targets, bias, temperature, chunk_size, return_entropy):
+def _check_inputs(hidden, weight, targets, bias, temperature, chunk_size, return_entropy,
+                  entropy_name="return_entropy"):
     check_tensor("hidden", hidden, dtypes=HIDDEN_DTYPES, ndim=2)
     dev = hidden.device
     check_tensor("weight", weight, dtypes=(hidden.dtype,), ndim=2, device=dev)
@@ -222,7 +281,7 @@ def _check_inputs(hidden, weight, targets, bias, temperature, chunk_size, return
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if not isinstance(return_entropy, bool):
-        raise TypeError(f"return_entropy must be a bool, got {type(return_entropy).__name__}")
+        raise TypeError(f"{entropy_name} must be a bool, got {type(return_entropy).__name__}")
     if T:
         lo, hi = (int(x) for x in torch.stack([targets.min(), targets.max()]).tolist())  # one host sync
         if lo < 0 or hi >= V:
@@ -279,3 +338,48 @@ def linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, chun
     C = max(1, min(C, T))
     return LinearLogprobsFunction.apply(hidden, weight, bias, targets.long().contiguous(), 1.0 / temperature, C,
                                         return_entropy, b == "triton")
+
+
+def linear_logprobs_loss(hidden, weight, targets, token_loss, *, bias=None, temperature=1.0, chunk_size=None,
+                         with_entropy=False, backend="auto"):
+    """The fused variant: a loss of the log-probs (and entropy) whose gradients are formed in the forward pass.
+
+    `token_loss(logprobs_c, entropy_c, sl)` is called once per token chunk `sl` (a slice of token indices)
+    with the chunk's log-probs [c] (and entropy [c], or None unless `with_entropy`) and returns that chunk's
+    scalar share of the loss; the loss is the sum of the shares. The loss must therefore be a sum over
+    tokens, such as a PPO loss with a known denominator; index your own per-token tensors (advantages,
+    old log-probs, mask) with `sl`. Its gradients with respect to hidden, weight and bias are formed
+    while each chunk's logits are in the buffer: 3 matmuls where `linear_logprobs` + autograd runs 4.
+    Tensors captured by `token_loss` receive no gradient. Backward scales the stored gradients by the
+    upstream gradient of the loss; they are held from forward to backward ([T, H] + [V, H] + [V]).
+
+    Args: as `linear_logprobs`; `with_entropy` passes (and returns) the entropy.
+
+    Returns:
+        (loss, logprobs [T] float32, entropy [T] float32 or None when not with_entropy), loss a 0-dim float32
+        tensor that is differentiable; logprobs and entropy are not (they are for metrics).
+
+    Example:
+        >>> import torch, compactionrl_fast as crf
+        >>> h, W = torch.randn(6, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+        >>> y, adv = torch.tensor([0, 3, 10, 2, 2, 5]), torch.randn(6)
+        >>> loss, lp, _ = crf.linear_logprobs_loss(h, W, y, lambda lp, ent, sl: -(adv[sl] * lp).sum() / 6,
+        ...                                        chunk_size=4)
+        >>> loss.backward()
+        >>> ref = -(adv * torch.log_softmax(h @ W.T, -1)[torch.arange(6), y]).sum() / 6
+        >>> gh, = torch.autograd.grad(ref, h)
+        >>> torch.allclose(h.grad, gh, atol=1e-5) and torch.allclose(loss, ref, atol=1e-5)
+        True
+    """
+    temperature = _check_inputs(hidden, weight, targets, bias, temperature, chunk_size, with_entropy,
+                                entropy_name="with_entropy")
+    if not callable(token_loss):
+        raise TypeError(f"token_loss must be callable (logprobs_c, entropy_c, sl) -> scalar, got "
+                        f"{type(token_loss).__name__}")
+    b = _resolve_backend(backend, hidden.device, hidden.dtype)
+    T, V = hidden.shape[0], weight.shape[0]
+    C = chunk_size if chunk_size is not None else default_chunk_size(T, V, hidden.device)
+    C = max(1, min(C, T))
+    out = LinearLogprobsLossFunction.apply(hidden, weight, bias, targets.long().contiguous(), token_loss,
+                                           1.0 / temperature, C, with_entropy, b == "triton")
+    return out if with_entropy else (*out, None)

@@ -29,7 +29,8 @@ def make(T, H, V, dtype=torch.float32, bias=False, seed=0):
 
 def rel(a, r):
     """max-norm relative error of a against the float64 truth r."""
-    return float((a.detach().double() - r.detach()).abs().max() / r.abs().max().clamp_min(1e-30))
+    a, r = a.detach().double(), r.detach()
+    return float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
 
 
 def run(fn, h, w, b, y, g_lp, g_ent, **kw):

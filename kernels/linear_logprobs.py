@@ -1,7 +1,7 @@
 """Triton kernels for `linear_logprobs`: the per-chunk softmax work of the chunk loop.
 
 The op (compactionrl_fast/ops/linear_logprobs.py) multiplies one token chunk at a time with cuBLAS,
-`z = (hidden_c @ W.T + b) / temperature` into a [C, V] buffer, then calls:
+`x = hidden_c @ W.T + b` into a [C, V] buffer, then calls (z = x / temperature, scaled in fp32):
 
 - `linear_logprobs_stats`: one program per BT rows (BT = 1 for an LM vocabulary), an online
   log-sum-exp over vocabulary tiles that also carries sum(p * (z - max)) for the entropy; gathers the
@@ -32,7 +32,7 @@ def tile_shape(V, tile=TILE):
 
 
 @triton.jit
-def linear_logprobs_stats_kernel(x_ptr, stride_x, y_ptr, lse_ptr, logp_ptr, ent_ptr, C, V,
+def linear_logprobs_stats_kernel(x_ptr, stride_x, y_ptr, lse_ptr, logp_ptr, ent_ptr, C, V, inv_t,
                                  BT: tl.constexpr, BV: tl.constexpr, ENTROPY: tl.constexpr):
     i_t = tl.program_id(0).to(tl.int64)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -46,7 +46,7 @@ def linear_logprobs_stats_kernel(x_ptr, stride_x, y_ptr, lse_ptr, logp_ptr, ent_
         m_x = m_t[:, None] & (v0 + o_v < V)[None, :]
         # [BT, BV]
         b_z = tl.load(x_ptr + o_t[:, None] * stride_x + (v0 + o_v)[None, :], mask=m_x, other=0.0)
-        b_z = tl.where(m_x, b_z.to(tl.float32), float("-inf"))
+        b_z = tl.where(m_x, b_z.to(tl.float32) * inv_t, float("-inf"))
         b_mn = tl.maximum(b_m, b_z)
         b_d = b_m - b_mn  # <= 0 and finite
         b_a = tl.exp(b_d)
@@ -62,7 +62,7 @@ def linear_logprobs_stats_kernel(x_ptr, stride_x, y_ptr, lse_ptr, logp_ptr, ent_
     b_sum = tl.where(m_t, tl.sum(b_s * b_sc, 1), 1.0)  # rows past C: no log(0) or 0 / 0
     b_lse = b_mx + tl.log(b_sum)
     b_y = tl.load(y_ptr + o_t, mask=m_t, other=0).to(tl.int64)
-    b_zy = tl.load(x_ptr + o_t * stride_x + b_y, mask=m_t, other=0.0).to(tl.float32)
+    b_zy = tl.load(x_ptr + o_t * stride_x + b_y, mask=m_t, other=0.0).to(tl.float32) * inv_t
     tl.store(lse_ptr + o_t, b_lse, mask=m_t)
     tl.store(logp_ptr + o_t, b_zy - b_lse, mask=m_t)
     if ENTROPY:
@@ -72,7 +72,7 @@ def linear_logprobs_stats_kernel(x_ptr, stride_x, y_ptr, lse_ptr, logp_ptr, ent_
 
 
 @triton.jit
-def linear_logprobs_dlogits_kernel(x_ptr, stride_x, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, C, V,
+def linear_logprobs_dlogits_kernel(x_ptr, stride_x, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, C, V, inv_t,
                                    BT: tl.constexpr, BV: tl.constexpr, ENTROPY: tl.constexpr):
     i_t = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
@@ -86,7 +86,7 @@ def linear_logprobs_dlogits_kernel(x_ptr, stride_x, y_ptr, lse_ptr, ent_ptr, glp
     b_glp = tl.load(glp_ptr + o_t, mask=m_t, other=0.0)
     b_y = tl.load(y_ptr + o_t, mask=m_t, other=-1)
     # [BT, BV]
-    b_lp = tl.load(p_x, mask=m_x, other=0.0).to(tl.float32) - b_lse[:, None]
+    b_lp = tl.load(p_x, mask=m_x, other=0.0).to(tl.float32) * inv_t - b_lse[:, None]
     b_p = tl.exp(b_lp)
     b_g = -b_glp[:, None] * b_p
     if ENTROPY:
@@ -97,24 +97,25 @@ def linear_logprobs_dlogits_kernel(x_ptr, stride_x, y_ptr, lse_ptr, ent_ptr, glp
     tl.store(p_x, b_g.to(x_ptr.dtype.element_ty), mask=m_x)
 
 
-def linear_logprobs_stats(x, targets, lse, logp, ent, tile=TILE):
+def linear_logprobs_stats(x, targets, lse, logp, ent, inv_t=1.0, tile=TILE):
     """Row statistics of a logits chunk, written into lse, logp, ent ([C] fp32; ent None skips the entropy).
 
     Args:
-        x: [C, V] bf16/fp16/fp32 scaled logits z (row stride may exceed V); targets: [C] int64.
-        lse: log-sum-exp of z; logp: z[target] - lse; ent: -sum p log p.
+        x: [C, V] bf16/fp16/fp32 logits before the temperature (row stride may exceed V); targets: [C] int64.
+        lse: log-sum-exp of z = x * inv_t (scaled in fp32, after the load); logp: z[target] - lse;
+        ent: -sum p log p.
     """
     C, V = x.shape
     want_entropy = ent is not None
     if C:
         BT, BV = tile_shape(V, tile)
         linear_logprobs_stats_kernel[(triton.cdiv(C, BT),)](x, x.stride(0), targets, lse, logp,
-                                                            ent if want_entropy else lse, C, V, BT=BT, BV=BV,
+                                                            ent if want_entropy else lse, C, V, inv_t, BT=BT, BV=BV,
                                                             ENTROPY=want_entropy)
 
 
-def linear_logprobs_dlogits(x, targets, lse, ent, g_lp, g_ent, tile=TILE):
-    """Overwrite the logits chunk x [C, V] in place with dL/dz.
+def linear_logprobs_dlogits(x, targets, lse, ent, g_lp, g_ent, inv_t=1.0, tile=TILE):
+    """Overwrite the logits chunk x [C, V] (before the temperature: z = x * inv_t) in place with dL/dz.
 
     g_lp, g_ent: [C] fp32 upstream gradients of logp and entropy (g_ent None: logp only); lse, ent: [C]
     fp32 from the forward. Any 1/temperature factor is folded into g_lp and g_ent by the caller.
@@ -125,7 +126,7 @@ def linear_logprobs_dlogits(x, targets, lse, ent, g_lp, g_ent, tile=TILE):
         BT, BV = tile_shape(V, tile)
         grid = (triton.cdiv(C, BT), triton.cdiv(V, BV))
         linear_logprobs_dlogits_kernel[grid](x, x.stride(0), targets, lse, ent if want_entropy else lse, g_lp,
-                                             g_ent if want_entropy else g_lp, C, V, BT=BT, BV=BV,
+                                             g_ent if want_entropy else g_lp, C, V, inv_t, BT=BT, BV=BV,
                                              ENTROPY=want_entropy)
     return x
 
@@ -138,7 +139,7 @@ def _sig(kernel, x_dtype):
         elif name.endswith("_ptr"):
             sig[name] = {"x_ptr": f"*{x_dtype}", "y_ptr": "*i64"}.get(name, "*fp32")
         else:
-            sig[name] = "i32"
+            sig[name] = "fp32" if name == "inv_t" else "i32"
     return sig
 
 

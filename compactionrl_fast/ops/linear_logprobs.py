@@ -34,11 +34,11 @@ def default_chunk_size(T: int, V: int, device: torch.device) -> int:
 # ---------------------------------------------------------------- per-chunk pieces
 
 
-def _logits(h_c, weight, bias, inv_t, out):
-    """out [c, V] (weight dtype) = (h_c @ W.T + b) * inv_t; the scale rides on the matmul's alpha/beta."""
+def _logits(h_c, weight, bias, scale, out):
+    """out [c, V] (weight dtype) = (h_c @ W.T + b) * scale, the scale on the matmul's alpha/beta."""
     if bias is None:
-        return torch.addmm(out, h_c, weight.T, beta=0.0, alpha=inv_t, out=out)
-    return torch.addmm(bias, h_c, weight.T, beta=inv_t, alpha=inv_t, out=out)
+        return torch.addmm(out, h_c, weight.T, beta=0.0, alpha=scale, out=out)
+    return torch.addmm(bias, h_c, weight.T, beta=scale, alpha=scale, out=out)
 
 
 def _stats_torch(z, y, lse, logp, ent, tmp):
@@ -85,19 +85,25 @@ class _Chunker:
         return None if self.tmp is None else self.tmp[:z.shape[0]]
 
     def logits(self, sl):
-        """(z in the matmul dtype, z in fp32 for the PyTorch path) of the rows `sl`."""
+        """(x, z) of the rows `sl`: x in the matmul dtype, z = x / temperature in fp32 (PyTorch path).
+
+        The temperature is applied in fp32: by the fp32 matmul's alpha (before its one rounding), by the
+        copy to fp32 for bf16/fp16 (a bf16 matmul may round before and after alpha), or by the Triton
+        kernels after their load (x is then unscaled).
+        """
         c = sl.stop - sl.start
-        x = _logits(self.hidden[sl], self.weight, self.bias, self.inv_t, self.buf[:c])
+        fold = self.fbuf is None and not self.use_triton
+        x = _logits(self.hidden[sl], self.weight, self.bias, self.inv_t if fold else 1.0, self.buf[:c])
         if self.use_triton or self.fbuf is None:
             return x, x
-        return x, self.fbuf[:c].copy_(x)
+        return x, torch.mul(x, self.inv_t, out=self.fbuf[:c])
 
     def stats(self, sl, y, lse, logp, ent):
         """Write lse, logp, ent of rows `sl`. Returns the chunk's state (x, z, shift) for `dlogits`."""
         x, z = self.logits(sl)
         if self.use_triton:
             from ..kernels.linear_logprobs import linear_logprobs_stats
-            linear_logprobs_stats(x, y, lse, logp, ent)
+            linear_logprobs_stats(x, y, lse, logp, ent, self.inv_t)
             return x, z, lse
         return x, z, _stats_torch(z, y, lse, logp, ent, self._tmp(z))
 
@@ -107,7 +113,7 @@ class _Chunker:
         x, z, shift = state if state is not None else (*self.logits(sl), lse)
         if self.use_triton:
             from ..kernels.linear_logprobs import linear_logprobs_dlogits
-            return linear_logprobs_dlogits(x, y, shift, ent, g_lp, g_ent)
+            return linear_logprobs_dlogits(x, y, shift, ent, g_lp, g_ent, self.inv_t)
         _dlogits_torch(z, y, shift, ent, g_lp, g_ent, self._tmp(z))
         return x if x is z else x.copy_(z)
 

@@ -223,6 +223,69 @@ def test_triton_kernels_many_tiles_and_masked_vocabulary():
     torch.testing.assert_close(logp, torch.log_softmax(z, 1)[torch.arange(C), y % 100], rtol=0, atol=2e-6)
 
 
+# ---------------------------------------------------------------- fused variant (linear_logprobs_loss)
+
+
+def ppo_token_loss(old_lp, adv, mask, n, ent_coef):
+    """A clipped-PPO loss with an entropy bonus, token-mean over a known count: a sum over tokens."""
+    def loss(lp, ent, sl):
+        ratio = torch.exp(lp - old_lp[sl].to(lp.dtype))
+        a = adv[sl].to(lp.dtype)
+        l = torch.maximum(-ratio * a, -ratio.clamp(0.8, 1.28) * a)
+        if ent is not None:
+            l = l - ent_coef * ent
+        return (l * mask[sl]).sum() / n
+    return loss
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_fused_loss_matches_reference(backend, with_entropy):
+    T, H, V = 90, 96, 1100
+    h, w, b, y = make(T, H, V, bias=True, seed=9)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        old_lp = ref(h, w, y, bias=b, temperature=0.8) + 0.3 * torch.randn(T, generator=gen, dtype=torch.float64)
+    adv, mask = torch.randn(T, generator=gen), torch.rand(T, generator=gen) < 0.7
+    token_loss = ppo_token_loss(old_lp, adv, mask, int(mask.sum()), 0.01)
+    loss, lp, ent = crf.linear_logprobs_loss(h, w, y, token_loss, bias=b, temperature=0.8, chunk_size=32,
+                                             with_entropy=with_entropy, backend=backend)
+    assert loss.dtype == torch.float32 and loss.dim() == 0 and not lp.requires_grad
+    assert (ent is not None) == with_entropy
+    grads = torch.autograd.grad(loss * 3.0, [h, w, b])  # an upstream gradient != 1 scales the stored ones
+    r_lp, r_ent = ref(h, w, y, bias=b, temperature=0.8, return_entropy=True)
+    r_loss = token_loss(r_lp, r_ent if with_entropy else None, slice(0, T))
+    r_grads = torch.autograd.grad(r_loss * 3.0, [h, w, b])
+    assert abs(float(loss.detach()) - float(r_loss.detach())) < 1e-5 * (1 + abs(float(r_loss.detach())))
+    assert rel(lp, r_lp) < 5e-6
+    if with_entropy:
+        assert rel(ent, r_ent) < 5e-6
+    for name, a, r in zip(["d_hidden", "d_weight", "d_bias"], grads, r_grads):
+        assert rel(a, r) < 5e-6, (name, rel(a, r))
+
+
+def test_fused_loss_edge_cases():
+    T, H, V = 10, 8, 20
+    h, w, b, y = make(T, H, V, bias=True)
+    # a loss that does not depend on the log-probs: zero gradients, not an error
+    loss, _, _ = crf.linear_logprobs_loss(h, w, y, lambda lp, ent, sl: torch.tensor(2.0), chunk_size=3)
+    assert float(loss.detach()) == 8.0  # 4 chunks
+    gh, gw = torch.autograd.grad(loss + (h.sum() + w.sum()) * 0, [h, w])
+    assert (gh == 0).all() and (gw == 0).all()
+    # weight frozen: only hidden gets a gradient
+    w2 = w.detach()
+    loss, _, _ = crf.linear_logprobs_loss(h, w2, y, lambda lp, ent, sl: lp.sum())
+    (gh,) = torch.autograd.grad(loss, h)
+    (rh,) = torch.autograd.grad(ref(h, w2, y).sum(), h)
+    assert rel(gh, rh) < 5e-6
+    with pytest.raises(TypeError, match="token_loss"):
+        crf.linear_logprobs_loss(h, w, y, lambda lp, ent, sl: lp)
+    with pytest.raises(TypeError, match="token_loss"):
+        crf.linear_logprobs_loss(h, w, y, "sum")
+    with pytest.raises(TypeError, match="with_entropy"):
+        crf.linear_logprobs_loss(h, w, y, lambda lp, ent, sl: lp.sum(), with_entropy=None)
+
+
 # ---------------------------------------------------------------- half precision (CPU path)
 
 
@@ -239,6 +302,14 @@ def test_half_precision_within_twice_pytorch_error(dtype):
                              n_outs + n_grads, r_outs + r_grads):
         assert not a.isnan().any(), name
         assert rel(a, r) <= 2 * rel(n, r) + 1e-6, (name, rel(a, r), rel(n, r))
+    # the fused variant on the same loss
+    token_loss = lambda lp, ent, sl: (lp * g_lp[sl]).sum() + (ent * g_ent[sl]).sum()
+    loss, lp, ent = crf.linear_logprobs_loss(h, w, y, token_loss, bias=b, temperature=0.8, chunk_size=70,
+                                             with_entropy=True)
+    grads = torch.autograd.grad(loss, [h, w, b])
+    for name, a, n, r in zip(["logp", "entropy", "d_hidden", "d_weight", "d_bias"], [lp, ent, *grads],
+                             n_outs + n_grads, r_outs + r_grads):
+        assert rel(a, r) <= 2 * rel(n, r) + 1e-6, ("fused", name, rel(a, r), rel(n, r))
 
 
 # ---------------------------------------------------------------- bad inputs

@@ -2,8 +2,14 @@
 from . import _dispatch
 from .gae import place_final_rewards, segment_gae
 from .linear_logprobs import linear_logprobs, linear_logprobs_loss
+from ._reduction import global_denominator, global_token_count
+from .ppo_loss import ppo_policy_loss
+from .value_head import value_head, value_head_loss
+from .value_loss import value_loss
 
 _dispatch.cpp_ext()  # load the compiled ops (if built) so torch.ops.compactionrl_fast.* exist
 
 __all__ = ["segment_gae", "place_final_rewards"]
 __all__ += ["linear_logprobs", "linear_logprobs_loss"]
+__all__ += ["ppo_policy_loss", "value_loss", "value_head", "value_head_loss", "global_token_count",
+            "global_denominator"]

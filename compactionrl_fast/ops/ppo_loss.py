@@ -1,0 +1,147 @@
+"""`ppo_policy_loss`: the masked clipped-PPO policy loss over packed tokens, forward and backward fused
+(SPEC section 4).
+
+Backends: "triton" (kernels/ppo_loss.py, wrapped as the custom op `compactionrl_fast::ppo_policy_loss_triton`),
+"cuda" and "cpp" (csrc/, op `compactionrl_fast::ppo_policy_loss`), "torch" (the float64 reference).
+The kernels write the per-token gradient (times its reduction weight) during the forward pass; the
+backward is that saved [T] buffer times the incoming gradient. Both ops have fake implementations and
+autograd formulas registered with torch.library, so torch.compile traces them without a graph break.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..reference import losses as ref
+from . import _dispatch
+from ._reduction import REDUCTIONS, check_denominator, check_layout, resolve_backend, segment_weights
+from ._validate import FLOAT_DTYPES, check_choice, check_float, check_tensor
+
+METRICS = ("clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_max")
+INF = float("inf")
+NO_DUAL_CLIP = float(torch.finfo(torch.float32).max)  # -c*A stays finite or +-inf, never 0*inf = NaN
+
+
+# ---------------------------------------------------------------- custom ops: fake impls and autograd
+# Shared by the C++ op and the Triton op (same signature):
+#   (logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs?, cu_seqlens?, seg_scale [S] float64,
+#    clip_low, clip_high, dual_clip (float32 max: off), tis_cap (inf: no cap), need_grad)
+#   -> (loss [] float32, metrics [4] float32, grad [T] float32 or [0])
+
+
+def _fake(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale, clip_low,
+          clip_high, dual_clip, tis_cap, need_grad):
+    T = logprobs.shape[0]
+    return (logprobs.new_empty(()), logprobs.new_empty(len(METRICS)), logprobs.new_empty(T if need_grad else 0))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[2])
+
+
+def _backward(ctx, d_loss, d_metrics, d_grad):
+    (grad,) = ctx.saved_tensors
+    return (grad * d_loss,) + (None,) * 11
+
+
+@torch.library.custom_op("compactionrl_fast::ppo_policy_loss_triton", mutates_args=())
+def _triton_op(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
+               rollout_logprobs: Optional[Tensor], cu_seqlens: Optional[Tensor], seg_scale: Tensor,
+               clip_low: float, clip_high: float, dual_clip: float, tis_cap: float,
+               need_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    from ..kernels.ppo_loss import ppo_loss_fwd
+
+    return ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale,
+                        clip_low, clip_high, dual_clip, tis_cap, need_grad)
+
+
+def _register(name):
+    torch.library.register_fake(name, _fake)
+    torch.library.register_autograd(name, _backward, setup_context=_setup_context)
+
+
+_register("compactionrl_fast::ppo_policy_loss_triton")
+if _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "ppo_policy_loss"):  # not in a stale build
+    _register("compactionrl_fast::ppo_policy_loss")
+
+
+# ---------------------------------------------------------------- public function
+
+
+def ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, cu_seqlens=None, cu_segments=None,
+                    clip_low=0.2, clip_high=0.2, dual_clip=None, rollout_logprobs=None, tis_cap=None,
+                    reduction="token-mean", denominator=None, backend="auto"):
+    """Masked clipped-PPO policy loss over packed tokens, with its metrics from the same pass.
+
+    Per trainable token, with ratio = exp(logprobs - old_logprobs) and A = advantages:
+    l = max(-ratio*A, -clip(ratio, 1-clip_low, 1+clip_high)*A); with `dual_clip` c > 1, l = min(l, -c*A)
+    where A < 0; with `rollout_logprobs`, l is multiplied by the truncated importance weight
+    min(exp(old_logprobs - rollout_logprobs), tis_cap). The loss is sum_t w_t * l_t with the weights of
+    `reduction` (see compactionrl_fast/ops/_reduction.py).
+
+    Args:
+        logprobs: [T] float, requires grad; the only input that receives a gradient.
+        old_logprobs, advantages: [T] float (the behaviour policy's log-probs and the advantages).
+        loss_mask: [T] bool, True on trainable tokens; other positions are never read into the loss.
+        cu_seqlens: [S+1] int32/int64 segment offsets (needed by "segment-mean"/"rollout-mean"; None: one
+            segment). cu_segments: [R+1] rollout offsets into the segments (None: a rollout per segment).
+        clip_low, clip_high: ratio clip range [1 - clip_low, 1 + clip_high].
+        dual_clip: None or c > 1. rollout_logprobs: [T] float or None. tis_cap: None (no cap) or > 0.
+        reduction: "token-mean" | "segment-mean" | "rollout-mean" | "sum".
+        denominator: replaces the mode's local count (tokens, segments, rollouts): pass the global count
+            (`global_token_count`, `global_denominator`) so that micro-batches and ranks add up to the
+            full batch. A number >= 0 or a one-element tensor.
+        backend: "auto" | "triton" | "cuda" | "cpp" | "torch".
+
+    Returns:
+        (loss: float32 [], metrics: dict of float32 [] tensors "clip_fraction", "dual_clip_fraction",
+        "approx_kl" (mean of (ratio-1) - log ratio), "ratio_max", over this call's trainable tokens; 0
+        when there is none).
+
+    Example:
+        >>> import torch, compactionrl_fast as crf
+        >>> logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+        >>> loss, m = crf.ppo_policy_loss(logp, logp.detach(), torch.tensor([1.0, 9.0, -1.0]),
+        ...                               torch.tensor([True, False, True]))
+        >>> loss.backward(); round(loss.item(), 4), logp.grad.tolist()
+        (0.0, [-0.5, 0.0, 0.5])
+    """
+    check_tensor("loss_mask", loss_mask, dtypes=(torch.bool,), ndim=1)
+    device, T = loss_mask.device, loss_mask.numel()
+    for name, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages)):
+        check_tensor(name, t, dtypes=FLOAT_DTYPES, ndim=1, device=device, numel=T)
+    if rollout_logprobs is not None:
+        check_tensor("rollout_logprobs", rollout_logprobs, dtypes=FLOAT_DTYPES, ndim=1, device=device, numel=T)
+    clip_low = check_float("clip_low", clip_low, 0.0, 1.0)
+    clip_high = check_float("clip_high", clip_high, 0.0, INF)
+    if dual_clip is not None and check_float("dual_clip", dual_clip, 1.0, INF) <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if tis_cap is not None:
+        if rollout_logprobs is None:
+            raise ValueError("tis_cap needs rollout_logprobs (the inference engine's log-probs)")
+        if check_float("tis_cap", tis_cap, 0.0, INF) <= 0.0:
+            raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+    check_choice("reduction", reduction, REDUCTIONS)
+    denominator = check_denominator(denominator, reduction)
+    cu_segments = check_layout(loss_mask, cu_seqlens, cu_segments)
+    b = resolve_backend(backend, device)
+
+    if b == "torch":
+        loss, m = ref.ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, cu_seqlens=cu_seqlens,
+                                      cu_segments=cu_segments, clip_low=clip_low, clip_high=clip_high,
+                                      dual_clip=dual_clip, rollout_logprobs=rollout_logprobs, tis_cap=tis_cap,
+                                      reduction=reduction, denominator=denominator)
+        return loss.to(device, torch.float32), {k: v.to(device, torch.float32) for k, v in m.items()}
+
+    seg_scale = segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator)
+    need_grad = torch.is_grad_enabled() and logprobs.requires_grad
+    f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
+    op = torch.ops.compactionrl_fast.ppo_policy_loss_triton if b == "triton" else torch.ops.compactionrl_fast.ppo_policy_loss
+    loss, metrics, _ = op(logprobs.float().contiguous(), f32(old_logprobs), f32(advantages), loss_mask.contiguous(),
+                          None if rollout_logprobs is None else f32(rollout_logprobs),
+                          None if cu_seqlens is None else cu_seqlens.contiguous(), seg_scale, clip_low, clip_high,
+                          NO_DUAL_CLIP if dual_clip is None else float(dual_clip), INF if tis_cap is None else float(tis_cap),
+                          need_grad)
+    return loss, dict(zip(METRICS, metrics.unbind(0)))

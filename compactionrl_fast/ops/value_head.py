@@ -1,0 +1,135 @@
+"""`value_head` and `value_head_loss`: the critic's scalar head over packed hidden states, and the head
+followed by the value loss (SPEC section 4).
+
+Backends: "triton" (kernels/value_head.py) and "torch" (CPU: a matmul, in row chunks for bf16/fp16 so
+that no float32 copy of `hidden` exists). Both accumulate in float32 and return float32 values. The
+backward reads `hidden` once for d_weight (d_hidden needs only the gradient and the weight), so the head
+plus loss reads `hidden` once forward and once backward.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._reduction import resolve_backend
+from ._validate import check_tensor
+from .value_loss import value_loss
+
+HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CHUNK_ELEMS = 1 << 22  # rows per chunk * H for the torch path's float32 upcast (16 MiB)
+
+
+def _rows(T, H):
+    return max(1, CHUNK_ELEMS // max(H, 1))
+
+
+def _torch_fwd(hidden, w32, b32):
+    if hidden.dtype == torch.float32:
+        out = torch.mv(hidden, w32)
+    else:
+        T, H = hidden.shape
+        out = torch.empty(T, dtype=torch.float32, device=hidden.device)
+        c = _rows(T, H)
+        for i in range(0, T, c):
+            torch.mv(hidden[i:i + c].float(), w32, out=out[i:i + c])
+    return out if b32 is None else out + b32
+
+
+def _torch_bwd(hidden, w32, g, need_dh, need_dw):
+    """d_hidden (hidden's dtype) and d_weight (float32, chunks added in a fixed order)."""
+    T, H = hidden.shape
+    if hidden.dtype == torch.float32:
+        dh = torch.outer(g, w32) if need_dh else None
+        dw = torch.mv(hidden.t(), g) if need_dw else None
+        return dh, dw
+    c = _rows(T, H)
+    dh = torch.empty_like(hidden) if need_dh else None
+    dw = torch.zeros(H, dtype=torch.float32, device=hidden.device) if need_dw else None
+    for i in range(0, T, c):
+        if need_dh:
+            dh[i:i + c] = torch.outer(g[i:i + c], w32)
+        if need_dw:
+            dw += torch.mv(hidden[i:i + c].float().t(), g[i:i + c])
+    return dh, dw
+
+
+class _ValueHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, backend):
+        w32 = weight.detach().float().contiguous()
+        b32 = None if bias is None else bias.detach().float().reshape(())
+        if backend == "triton":
+            from ..kernels.value_head import value_head_fwd
+
+            out = value_head_fwd(hidden, w32, b32)
+        else:
+            out = _torch_fwd(hidden, w32, b32)
+        ctx.save_for_backward(hidden, w32)
+        ctx.backend = backend
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_shape = None if bias is None else bias.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, w32 = ctx.saved_tensors
+        need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+        g = grad.float().contiguous()
+        if ctx.backend == "triton":
+            from ..kernels.value_head import value_head_bwd
+
+            dh, dw = value_head_bwd(hidden, w32, g, need_dh, need_dw)
+        else:
+            dh, dw = _torch_bwd(hidden, w32, g, need_dh, need_dw)
+        db = g.sum().reshape(ctx.bias_shape) if need_db else None
+        return dh, None if dw is None else dw.to(ctx.weight_dtype), db, None
+
+
+def _check_head(hidden, weight, bias):
+    check_tensor("hidden", hidden, dtypes=HIDDEN_DTYPES, ndim=2)
+    H, device = hidden.shape[1], hidden.device
+    check_tensor("weight", weight, dtypes=HIDDEN_DTYPES + (torch.float64,), device=device)
+    if weight.dim() == 2 and weight.shape[0] == 1:  # an nn.Linear(H, 1) weight
+        weight = weight.reshape(-1)
+    check_tensor("weight", weight, ndim=1, numel=H)
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=HIDDEN_DTYPES + (torch.float64,), device=device, numel=1)
+    return weight
+
+
+def value_head(hidden, weight, bias=None, *, backend="auto"):
+    """Scalar value head over packed tokens: values = hidden @ weight + bias, accumulated in float32.
+
+    Args:
+        hidden: [T, H] bf16/fp16/fp32. weight: [H] (or an nn.Linear(H, 1) weight [1, H]).
+        bias: one element or None. backend: "auto" | "triton" | "torch" (auto: torch on CPU).
+
+    Returns:
+        values: [T] float32, differentiable in hidden, weight and bias (gradients in their dtypes).
+
+    Example:
+        >>> import torch, compactionrl_fast as crf
+        >>> crf.value_head(torch.ones(2, 3, dtype=torch.bfloat16), torch.tensor([1.0, 2.0, 3.0]),
+        ...                torch.tensor(0.5)).tolist()
+        [6.5, 6.5]
+    """
+    weight = _check_head(hidden, weight, bias)
+    device = hidden.device
+    b = resolve_backend(backend, device, supported=("auto", "triton", "torch"))
+    if backend == "auto" and device.type == "cpu":
+        b = "torch"  # the interpreter is for tests only; a matmul is the fast CPU path
+    return _ValueHead.apply(hidden.contiguous(), weight, bias, b)
+
+
+def value_head_loss(hidden, weight, bias, old_values, returns, loss_mask, **value_loss_kwargs):
+    """`value_loss(value_head(hidden, weight, bias), old_values, returns, loss_mask, **value_loss_kwargs)`.
+
+    `hidden` is read once forward and once backward (for d_weight); the [T] values and their gradient are
+    the only intermediates. Gradients flow to hidden, weight and bias. `backend` (in the kwargs) picks the
+    loss backend; the head uses "triton" when that is asked for, else its automatic choice.
+
+    Returns:
+        (loss float32 [], metrics dict as for `value_loss`).
+    """
+    backend = value_loss_kwargs.get("backend", "auto")
+    values = value_head(hidden, weight, bias, backend="triton" if backend == "triton" else "auto")
+    return value_loss(values, old_values, returns, loss_mask, **value_loss_kwargs)

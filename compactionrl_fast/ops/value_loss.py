@@ -1,0 +1,112 @@
+"""`value_loss`: the masked (clipped) value loss over packed tokens, forward and backward fused
+(SPEC section 4).
+
+Backends: "triton" (kernels/value_loss.py, custom op `compactionrl_fast::value_loss_triton`), "cuda" and
+"cpp" (csrc/, op `compactionrl_fast::value_loss`), "torch" (the float64 reference). As for the policy
+loss, the kernels write the weighted per-token gradient in the forward pass and the backward scales it;
+fake implementations and autograd formulas are registered with torch.library.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..reference import losses as ref
+from . import _dispatch
+from ._reduction import REDUCTIONS, check_denominator, check_layout, resolve_backend, segment_weights
+from ._validate import FLOAT_DTYPES, check_choice, check_float, check_tensor
+
+METRICS = ("clip_fraction", "value_mean", "explained_variance")
+
+
+# ---------------------------------------------------------------- custom ops: fake impls and autograd
+# (values, old_values, returns, loss_mask, cu_seqlens?, seg_scale [S] float64, clip (< 0: off), need_grad)
+#   -> (loss [] float32, metrics [3] float32, grad [T] float32 or [0])
+
+
+def _fake(values, old_values, returns, loss_mask, cu_seqlens, seg_scale, clip, need_grad):
+    T = values.shape[0]
+    return (values.new_empty(()), values.new_empty(len(METRICS)), values.new_empty(T if need_grad else 0))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[2])
+
+
+def _backward(ctx, d_loss, d_metrics, d_grad):
+    (grad,) = ctx.saved_tensors
+    return (grad * d_loss,) + (None,) * 7
+
+
+@torch.library.custom_op("compactionrl_fast::value_loss_triton", mutates_args=())
+def _triton_op(values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor, cu_seqlens: Optional[Tensor],
+               seg_scale: Tensor, clip: float, need_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    from ..kernels.value_loss import value_loss_fwd
+
+    return value_loss_fwd(values, old_values, returns, loss_mask, cu_seqlens, seg_scale, clip, need_grad)
+
+
+def _register(name):
+    torch.library.register_fake(name, _fake)
+    torch.library.register_autograd(name, _backward, setup_context=_setup_context)
+
+
+_register("compactionrl_fast::value_loss_triton")
+if _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "value_loss"):  # not in a stale build
+    _register("compactionrl_fast::value_loss")
+
+
+# ---------------------------------------------------------------- public function
+
+
+def value_loss(values, old_values, returns, loss_mask, *, clip=None, cu_seqlens=None, cu_segments=None,
+               reduction="token-mean", denominator=None, backend="auto"):
+    """Masked value loss over packed tokens, with its metrics from the same pass.
+
+    Per trainable token: 0.5 * (v - R)^2, or with `clip` eps: 0.5 * max((v - R)^2, (v_clip - R)^2),
+    v_clip = old + clamp(v - old, -eps, eps). The loss is sum_t w_t * l_t with the weights of `reduction`
+    (see compactionrl_fast/ops/_reduction.py); `denominator` as in `ppo_policy_loss`.
+
+    Args:
+        values: [T] float, requires grad (the only input that receives a gradient).
+        old_values, returns: [T] float (old_values is read only with `clip`).
+        loss_mask: [T] bool. cu_seqlens [S+1], cu_segments [R+1]: as in `ppo_policy_loss`.
+        clip: None or eps >= 0. reduction, denominator, backend: as in `ppo_policy_loss`.
+
+    Returns:
+        (loss: float32 [], metrics: dict of float32 [] tensors "clip_fraction", "value_mean",
+        "explained_variance" (1 - Var(R - v) / Var(R) over trainable tokens; 0 if Var(R) = 0)).
+
+    Example:
+        >>> import torch, compactionrl_fast as crf
+        >>> v = torch.tensor([1.0, 5.0, 2.0], requires_grad=True)
+        >>> loss, m = crf.value_loss(v, v.detach(), torch.tensor([0.0, 0.0, 0.0]), torch.tensor([True, False, True]))
+        >>> loss.backward(); loss.item(), v.grad.tolist()
+        (1.25, [0.5, 0.0, 1.0])
+    """
+    check_tensor("loss_mask", loss_mask, dtypes=(torch.bool,), ndim=1)
+    device, T = loss_mask.device, loss_mask.numel()
+    for name, t in (("values", values), ("old_values", old_values), ("returns", returns)):
+        check_tensor(name, t, dtypes=FLOAT_DTYPES, ndim=1, device=device, numel=T)
+    if clip is not None:
+        clip = check_float("clip", clip, 0.0, float("inf"))
+    check_choice("reduction", reduction, REDUCTIONS)
+    denominator = check_denominator(denominator, reduction)
+    cu_segments = check_layout(loss_mask, cu_seqlens, cu_segments)
+    b = resolve_backend(backend, device)
+
+    if b == "torch":
+        loss, m = ref.value_loss(values, old_values, returns, loss_mask, clip=clip, cu_seqlens=cu_seqlens,
+                                 cu_segments=cu_segments, reduction=reduction, denominator=denominator)
+        return loss.to(device, torch.float32), {k: v.to(device, torch.float32) for k, v in m.items()}
+
+    seg_scale = segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator)
+    need_grad = torch.is_grad_enabled() and values.requires_grad
+    f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
+    op = torch.ops.compactionrl_fast.value_loss_triton if b == "triton" else torch.ops.compactionrl_fast.value_loss
+    loss, metrics, _ = op(values.float().contiguous(), f32(old_values), f32(returns), loss_mask.contiguous(),
+                          None if cu_seqlens is None else cu_seqlens.contiguous(), seg_scale,
+                          -1.0 if clip is None else clip, need_grad)
+    return loss, dict(zip(METRICS, metrics.unbind(0)))

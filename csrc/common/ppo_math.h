@@ -1,0 +1,119 @@
+// Per-token math of the clipped-PPO policy loss and the clipped value loss, shared by the CPU
+// (csrc/cpu/ppo_loss.cpp, value_loss.cpp) and CUDA (csrc/cuda/*_kernels.cuh) kernels, so the CPU tests
+// exercise the CUDA arithmetic too. Everything is branch-free float32 so the CPU loops vectorise.
+// Semantics: SPEC section 4 and compactionrl_fast/reference/losses.py.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#ifndef CRF_HD  // same definition as in gae_step.h
+#if defined(__CUDACC__)
+#define CRF_HD __host__ __device__ __forceinline__
+#else
+#define CRF_HD inline
+#endif
+#endif
+
+namespace crf {
+
+CRF_HD float bits_to_float(int32_t i) {
+  float f;
+  memcpy(&f, &i, sizeof f);
+  return f;
+}
+
+CRF_HD int32_t float_to_bits(float f) {
+  int32_t i;
+  memcpy(&i, &f, sizeof i);
+  return i;
+}
+
+// e^x in float32 within ~2 ulp (Cephes expf), written without calls or branches so that the host
+// compiler vectorises it; NaN stays NaN, large x gives inf, very negative x gives 0.
+CRF_HD float exp_f32(float x) {
+  float xc = x > 88.7228f ? 88.7228f : (x < -104.0f ? -104.0f : x);
+  // round(xc / ln2) with the 1.5 * 2^23 trick: exact for |n| < 2^22, no rint/floor needed
+  const float t = xc * 1.44269504088896341f + 12582912.0f;
+  const float fn = t - 12582912.0f;
+  const int32_t n = float_to_bits(t) - 0x4B400000;
+  float r = xc - fn * 0.693359375f;
+  r = r - fn * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  // 2^n as two normal factors so that n in [-150, 128] neither overflows nor flushes early
+  const int32_t n1 = n >> 1, n2 = n - n1;
+  const float y = p * bits_to_float((n1 + 127) << 23) * bits_to_float((n2 + 127) << 23);
+  return x > 88.7228f ? __builtin_huge_valf() : y;
+}
+
+// (e^x - 1) - x, the approximate-KL term with ratio = e^x, accurate also near x = 0 where the
+// direct form cancels: a Taylor series for |x| < 0.5 (truncation < 1e-8 relative), else direct.
+CRF_HD float kl_term(float x, float ratio) {
+  float s = 1.0f / 40320.0f;
+  s = s * x + 1.0f / 5040.0f;
+  s = s * x + 1.0f / 720.0f;
+  s = s * x + 1.0f / 120.0f;
+  s = s * x + 1.0f / 24.0f;
+  s = s * x + 1.0f / 6.0f;
+  s = s * x + 0.5f;
+  const float small = s * x * x;
+  const float ax = x < 0.0f ? -x : x;
+  return ax < 0.5f ? small : (ratio - 1.0f) - x;
+}
+
+// One token of the clipped PPO objective (before the reduction weight).
+//   ratio = e^x, x = logp - old_logp
+//   l = max(-ratio*A, -clip(ratio, 1-eps_low, 1+eps_high)*A); for A < 0: l = min(l, -c*A)
+// dlogp is d l / d logp: -A*ratio on the unclipped branch, 0 where a clip is active.
+// `dual_c` = FLT_MAX switches the dual clip off without a branch (inf would make -c*0 a NaN).
+struct PpoToken {
+  float loss;
+  float dlogp;
+  float ratio;
+  bool clipped;  // the clipped branch is strictly larger (its gradient is zero)
+  bool dual;     // the dual clip is active
+};
+
+CRF_HD PpoToken ppo_token(float x, float adv, float ratio_lo, float ratio_hi, float dual_c) {
+  PpoToken o;
+  o.ratio = exp_f32(x);
+  const float rc = o.ratio < ratio_lo ? ratio_lo : (o.ratio > ratio_hi ? ratio_hi : o.ratio);
+  const float l1 = -adv * o.ratio, l2 = -adv * rc;
+  o.clipped = l2 > l1;
+  float l = o.clipped ? l2 : l1;
+  const float ld = -dual_c * adv;
+  o.dual = adv < 0.0f && l > ld;
+  o.loss = o.dual ? ld : l;
+  o.dlogp = (o.clipped || o.dual) ? 0.0f : l1;
+  return o;
+}
+
+// One token of the value loss: 0.5 * max((v-R)^2, (v_clip-R)^2), v_clip = old + clamp(v-old, -eps, eps),
+// or 0.5 * (v-R)^2 without clip. dv = d loss / d v: (v-R) on the unclipped branch, else 0 (v_clip is
+// constant in v exactly when the clip is active).
+struct ValueToken {
+  float loss;
+  float dv;
+  bool clipped;
+};
+
+CRF_HD ValueToken value_token(float v, float old_v, float ret, float eps, bool use_clip) {
+  ValueToken o;
+  const float e1 = v - ret;
+  const float d = v - old_v;
+  // v itself inside the clip range (old + (v - old) may round away from v and fake a clip)
+  const float vc = d < -eps ? old_v - eps : (d > eps ? old_v + eps : v);
+  const float e2 = vc - ret;
+  const float q1 = e1 * e1, q2 = e2 * e2;
+  o.clipped = use_clip && q2 > q1;
+  o.loss = 0.5f * (o.clipped ? q2 : q1);
+  o.dv = o.clipped ? 0.0f : e1;
+  return o;
+}
+
+}  // namespace crf

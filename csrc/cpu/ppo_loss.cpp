@@ -1,0 +1,185 @@
+// ppo_policy_loss on CPU: one pass computes the per-token loss, the per-token gradient (already times
+// its reduction weight) and per-block partial sums of the loss and the metrics; the partials are then
+// added in block order, so the result is bitwise the same for any thread count.
+// Python-facing semantics: compactionrl_fast/ops/ppo_loss.py; per-token math: csrc/common/ppo_math.h.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <cmath>
+#include <limits>
+
+#include "../common/alloc.h"
+#include "../common/ppo_math.h"
+#include "segment_runs.h"
+
+namespace {
+
+// Per-block partial sums, in this order.
+enum { kLoss, kTokens, kClipped, kDual, kKl, kRatioMax, kParts };
+
+template <typename idx_t>
+struct Args {
+  const float *logp, *old, *adv, *roll;
+  const bool* mask;
+  const idx_t* cu;      // [S+1] or nullptr (one segment)
+  const double* scale;  // [S] reduction weight of each segment's tokens
+  int64_t S, T;
+  float ratio_lo, ratio_hi, dual_c, tis_cap;
+  float* grad;     // [T] or nullptr
+  double* part;    // [n_blocks, kParts]
+};
+
+// Tokens [t0, t1) of one segment with reduction weight w; adds into p.
+template <typename idx_t, bool TIS, bool GRAD>
+CRF_INLINE void ppo_run(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
+  // float accumulators (one lane type, so gcc vectorises the reductions); a run has at most kBlock
+  // tokens, and the runs are added in double
+  const float wf = (float)w;
+  float loss = 0.0f, kl = 0.0f, rmax = 0.0f;
+  int32_t n = 0, nc = 0, nd = 0;
+#pragma omp simd reduction(+ : loss, kl, n, nc, nd) reduction(max : rmax)
+  for (int64_t t = t0; t < t1; ++t) {
+    const bool m = a.mask[t];
+    const float x = a.logp[t] - a.old[t];
+    const crf::PpoToken o = crf::ppo_token(x, a.adv[t], a.ratio_lo, a.ratio_hi, a.dual_c);
+    float l = o.loss, g = o.dlogp;
+    if (TIS) {
+      const float wi = crf::exp_f32(a.old[t] - a.roll[t]);
+      const float wc = wi < a.tis_cap ? wi : a.tis_cap;
+      l *= wc;
+      g *= wc;
+    }
+    if (GRAD) a.grad[t] = m ? g * wf : 0.0f;
+    loss += m ? l : 0.0f;
+    kl += m ? crf::kl_term(x, o.ratio) : 0.0f;
+    n += m;
+    nc += m && o.clipped;
+    nd += m && o.dual;
+    rmax = (m && o.ratio > rmax) ? o.ratio : rmax;
+  }
+  p[kLoss] += w * (double)loss;
+  p[kTokens] += n;
+  p[kClipped] += nc;
+  p[kDual] += nd;
+  p[kKl] += kl;
+  p[kRatioMax] = std::max(p[kRatioMax], (double)rmax);
+}
+
+// Blocks [b0, b1): each block's tokens, cut at segment boundaries.
+template <typename idx_t, bool TIS, bool GRAD>
+CRF_INLINE void ppo_blocks(const Args<idx_t>& a, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    double* p = a.part + b * kParts;
+    for (int k = 0; k < kParts; ++k) p[k] = 0.0;
+    int64_t t0 = b * crf::kBlock;
+    const int64_t t1 = std::min(a.T, t0 + crf::kBlock);
+    if (a.cu == nullptr) {
+      ppo_run<idx_t, TIS, GRAD>(a, t0, t1, a.scale[0], p);
+      continue;
+    }
+    for (int64_t s = crf::segment_of(a.cu, a.S, t0); t0 < t1; ++s) {
+      if (a.cu[s + 1] <= t0) continue;  // empty segment
+      const int64_t e = std::min<int64_t>(a.cu[s + 1], t1);
+      ppo_run<idx_t, TIS, GRAD>(a, t0, e, a.scale[s], p);
+      t0 = e;
+    }
+  }
+}
+
+template <typename idx_t, bool TIS, bool GRAD>
+CRF_AVX2 void ppo_blocks_avx2(const Args<idx_t>& a, int64_t b0, int64_t b1) {
+  ppo_blocks<idx_t, TIS, GRAD>(a, b0, b1);
+}
+
+template <typename idx_t, bool TIS, bool GRAD>
+void ppo_blocks_base(const Args<idx_t>& a, int64_t b0, int64_t b1) {
+  ppo_blocks<idx_t, TIS, GRAD>(a, b0, b1);
+}
+
+template <typename idx_t, bool TIS, bool GRAD>
+void ppo_all(const Args<idx_t>& a, int64_t n_blocks) {
+  const bool avx2 = crf::has_avx2();
+  at::parallel_for(0, n_blocks, crf::kGrainBlocks, [&](int64_t b0, int64_t b1) {
+    if (avx2)
+      ppo_blocks_avx2<idx_t, TIS, GRAD>(a, b0, b1);
+    else
+      ppo_blocks_base<idx_t, TIS, GRAD>(a, b0, b1);
+  });
+}
+
+void check_f32(const at::Tensor& t, const char* name, int64_t T) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == T && t.is_contiguous(),
+              "ppo_policy_loss: ", name, " must be a contiguous float32 [T] tensor");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cpu(
+    const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
+    const at::Tensor& loss_mask, const std::optional<at::Tensor>& rollout_logprobs,
+    const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& seg_scale, double clip_low, double clip_high,
+    double dual_clip, double tis_cap, bool need_grad) {
+  const int64_t T = logprobs.numel();
+  check_f32(logprobs, "logprobs", T);
+  check_f32(old_logprobs, "old_logprobs", T);
+  check_f32(advantages, "advantages", T);
+  if (rollout_logprobs) check_f32(*rollout_logprobs, "rollout_logprobs", T);
+  TORCH_CHECK(loss_mask.scalar_type() == at::kBool && loss_mask.numel() == T && loss_mask.is_contiguous(),
+              "ppo_policy_loss: loss_mask must be a contiguous bool [T] tensor");
+  const int64_t S = cu_seqlens ? cu_seqlens->numel() - 1 : 1;
+  TORCH_CHECK(seg_scale.scalar_type() == at::kDouble && seg_scale.numel() == S && seg_scale.is_contiguous(),
+              "ppo_policy_loss: seg_scale must be a contiguous float64 [S] tensor");
+  auto f32 = logprobs.options();
+  at::Tensor grad = need_grad ? crf::empty_output({T}, f32) : at::empty({0}, f32);
+  const int64_t n_blocks = (T + crf::kBlock - 1) / crf::kBlock;
+  at::Tensor part = at::empty({n_blocks, kParts}, f32.dtype(at::kDouble));
+
+  auto run = [&](auto idx_tag) {
+    using idx_t = decltype(idx_tag);
+    Args<idx_t> a{logprobs.data_ptr<float>(), old_logprobs.data_ptr<float>(), advantages.data_ptr<float>(),
+                  rollout_logprobs ? rollout_logprobs->data_ptr<float>() : nullptr, loss_mask.data_ptr<bool>(),
+                  cu_seqlens ? cu_seqlens->data_ptr<idx_t>() : nullptr, seg_scale.data_ptr<double>(), S, T,
+                  (float)(1.0 - clip_low), (float)(1.0 + clip_high), (float)dual_clip, (float)tis_cap,
+                  need_grad ? grad.data_ptr<float>() : nullptr, part.data_ptr<double>()};
+    const bool tis = rollout_logprobs.has_value();
+    if (tis && need_grad) ppo_all<idx_t, true, true>(a, n_blocks);
+    else if (tis) ppo_all<idx_t, true, false>(a, n_blocks);
+    else if (need_grad) ppo_all<idx_t, false, true>(a, n_blocks);
+    else ppo_all<idx_t, false, false>(a, n_blocks);
+  };
+  if (cu_seqlens && cu_seqlens->scalar_type() == at::kInt) {
+    TORCH_CHECK(cu_seqlens->is_contiguous(), "ppo_policy_loss: cu_seqlens must be contiguous");
+    run(int32_t{});
+  } else {
+    TORCH_CHECK(!cu_seqlens || (cu_seqlens->scalar_type() == at::kLong && cu_seqlens->is_contiguous()),
+                "ppo_policy_loss: cu_seqlens must be a contiguous int32/int64 tensor");
+    run(int64_t{});
+  }
+
+  // fixed-order reduction of the partials
+  double tot[kParts] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+  const double* p = part.data_ptr<double>();
+  for (int64_t b = 0; b < n_blocks; ++b, p += kParts) {
+    for (int k = 0; k < kRatioMax; ++k) tot[k] += p[k];
+    tot[kRatioMax] = std::max(tot[kRatioMax], p[kRatioMax]);
+  }
+  const double n = tot[kTokens], inv = n > 0 ? 1.0 / n : 0.0;
+  at::Tensor loss = at::scalar_tensor(tot[kLoss], f32);
+  at::Tensor metrics = at::empty({4}, f32);
+  float* m = metrics.data_ptr<float>();
+  m[0] = (float)(tot[kClipped] * inv);  // clip_fraction
+  m[1] = (float)(tot[kDual] * inv);     // dual_clip_fraction
+  m[2] = (float)(tot[kKl] * inv);       // approx_kl
+  m[3] = (float)tot[kRatioMax];         // ratio_max (0 without trainable tokens)
+  return {loss, metrics, grad};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(compactionrl_fast, m) {
+  m.def(
+      "ppo_policy_loss(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor loss_mask, "
+      "Tensor? rollout_logprobs, Tensor? cu_seqlens, Tensor seg_scale, float clip_low, float clip_high, "
+      "float dual_clip, float tis_cap, bool need_grad) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(compactionrl_fast, CPU, m) { m.impl("ppo_policy_loss", &ppo_policy_loss_cpu); }

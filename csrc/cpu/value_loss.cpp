@@ -1,0 +1,197 @@
+// value_loss on CPU: one pass computes the per-token loss, the per-token gradient (times its reduction
+// weight) and per-block partials of the loss and the metrics; the partials are combined in block order,
+// so the result is bitwise the same for any thread count. Variances for the explained variance are
+// combined from per-block (count, sum, sum of squared deviations) (Chan et al.), which does not cancel
+// when the returns have a large mean.
+// Python-facing semantics: compactionrl_fast/ops/value_loss.py; per-token math: csrc/common/ppo_math.h.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <limits>
+
+#include "../common/alloc.h"
+#include "../common/ppo_math.h"
+#include "segment_runs.h"
+
+namespace {
+
+// Per-block partials, in this order. e = returns - values.
+enum { kLoss, kTokens, kClipped, kSumV, kSumR, kM2R, kSumE, kM2E, kParts };
+
+template <typename idx_t>
+struct Args {
+  const float *v, *old, *ret;
+  const bool* mask;
+  const idx_t* cu;      // [S+1] or nullptr (one segment)
+  const double* scale;  // [S]
+  int64_t S, T;
+  float eps;
+  float* grad;   // [T] or nullptr
+  double* part;  // [n_blocks, kParts]
+};
+
+template <typename idx_t, bool CLIP, bool GRAD>
+CRF_INLINE void value_run(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
+  // float accumulators (one lane type, so gcc vectorises the reductions); a run has at most kBlock
+  // tokens, and the runs are added in double
+  const float wf = (float)w;
+  float loss = 0.0f, sv = 0.0f, sr = 0.0f;
+  int32_t n = 0, nc = 0;
+#pragma omp simd reduction(+ : loss, sv, sr, n, nc)
+  for (int64_t t = t0; t < t1; ++t) {
+    const bool m = a.mask[t];
+    const crf::ValueToken o = crf::value_token(a.v[t], a.old[t], a.ret[t], a.eps, CLIP);
+    if (GRAD) a.grad[t] = m ? o.dv * wf : 0.0f;
+    loss += m ? o.loss : 0.0f;
+    sv += m ? a.v[t] : 0.0f;
+    sr += m ? a.ret[t] : 0.0f;
+    n += m;
+    nc += m && o.clipped;
+  }
+  p[kLoss] += w * (double)loss;
+  p[kTokens] += n;
+  p[kClipped] += nc;
+  p[kSumV] += sv;
+  p[kSumR] += sr;
+}
+
+template <typename idx_t, bool CLIP, bool GRAD>
+CRF_INLINE void value_blocks(const Args<idx_t>& a, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    double* p = a.part + b * kParts;
+    for (int k = 0; k < kParts; ++k) p[k] = 0.0;
+    const int64_t bos = b * crf::kBlock, eos = std::min(a.T, bos + crf::kBlock);
+    if (a.cu == nullptr) {
+      value_run<idx_t, CLIP, GRAD>(a, bos, eos, a.scale[0], p);
+    } else {
+      int64_t t0 = bos;
+      for (int64_t s = crf::segment_of(a.cu, a.S, t0); t0 < eos; ++s) {
+        if (a.cu[s + 1] <= t0) continue;  // empty segment
+        const int64_t e = std::min<int64_t>(a.cu[s + 1], eos);
+        value_run<idx_t, CLIP, GRAD>(a, t0, e, a.scale[s], p);
+        t0 = e;
+      }
+    }
+    // second pass over the (cached) block: squared deviations from the block means
+    const double inv = p[kTokens] > 0 ? 1.0 / p[kTokens] : 0.0;
+    const double mr = p[kSumR] * inv, me = (p[kSumR] - p[kSumV]) * inv;
+    double m2r = 0.0, m2e = 0.0;
+#pragma omp simd reduction(+ : m2r, m2e)
+    for (int64_t t = bos; t < eos; ++t) {
+      const double r = a.ret[t], dr = r - mr, de = (r - a.v[t]) - me;
+      m2r += a.mask[t] ? dr * dr : 0.0;
+      m2e += a.mask[t] ? de * de : 0.0;
+    }
+    p[kSumE] = p[kSumR] - p[kSumV];
+    p[kM2R] = m2r;
+    p[kM2E] = m2e;
+  }
+}
+
+template <typename idx_t, bool CLIP, bool GRAD>
+CRF_AVX2 void value_blocks_avx2(const Args<idx_t>& a, int64_t b0, int64_t b1) {
+  value_blocks<idx_t, CLIP, GRAD>(a, b0, b1);
+}
+
+template <typename idx_t, bool CLIP, bool GRAD>
+void value_blocks_base(const Args<idx_t>& a, int64_t b0, int64_t b1) {
+  value_blocks<idx_t, CLIP, GRAD>(a, b0, b1);
+}
+
+template <typename idx_t, bool CLIP, bool GRAD>
+void value_all(const Args<idx_t>& a, int64_t n_blocks) {
+  const bool avx2 = crf::has_avx2();
+  at::parallel_for(0, n_blocks, crf::kGrainBlocks, [&](int64_t b0, int64_t b1) {
+    if (avx2)
+      value_blocks_avx2<idx_t, CLIP, GRAD>(a, b0, b1);
+    else
+      value_blocks_base<idx_t, CLIP, GRAD>(a, b0, b1);
+  });
+}
+
+void check_f32(const at::Tensor& t, const char* name, int64_t T) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == T && t.is_contiguous(),
+              "value_loss: ", name, " must be a contiguous float32 [T] tensor");
+}
+
+// Combine (n, sum, M2) of the blocks in order (Chan et al.); returns the population variance.
+struct Moments {
+  double n = 0.0, sum = 0.0, m2 = 0.0;
+  void add(double nb, double sb, double m2b) {
+    if (nb <= 0.0) return;
+    const double delta = sb / nb - (n > 0.0 ? sum / n : 0.0);
+    m2 += m2b + (n > 0.0 ? delta * delta * n * nb / (n + nb) : 0.0);
+    n += nb;
+    sum += sb;
+  }
+  double var() const { return n > 0.0 ? m2 / n : 0.0; }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(
+    const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns, const at::Tensor& loss_mask,
+    const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& seg_scale, double clip, bool need_grad) {
+  const int64_t T = values.numel();
+  check_f32(values, "values", T);
+  check_f32(old_values, "old_values", T);
+  check_f32(returns, "returns", T);
+  TORCH_CHECK(loss_mask.scalar_type() == at::kBool && loss_mask.numel() == T && loss_mask.is_contiguous(),
+              "value_loss: loss_mask must be a contiguous bool [T] tensor");
+  const int64_t S = cu_seqlens ? cu_seqlens->numel() - 1 : 1;
+  TORCH_CHECK(seg_scale.scalar_type() == at::kDouble && seg_scale.numel() == S && seg_scale.is_contiguous(),
+              "value_loss: seg_scale must be a contiguous float64 [S] tensor");
+  auto f32 = values.options();
+  at::Tensor grad = need_grad ? crf::empty_output({T}, f32) : at::empty({0}, f32);
+  const int64_t n_blocks = (T + crf::kBlock - 1) / crf::kBlock;
+  at::Tensor part = at::empty({n_blocks, kParts}, f32.dtype(at::kDouble));
+
+  auto run = [&](auto idx_tag) {
+    using idx_t = decltype(idx_tag);
+    Args<idx_t> a{values.data_ptr<float>(), old_values.data_ptr<float>(), returns.data_ptr<float>(),
+                  loss_mask.data_ptr<bool>(), cu_seqlens ? cu_seqlens->data_ptr<idx_t>() : nullptr,
+                  seg_scale.data_ptr<double>(), S, T, (float)clip, need_grad ? grad.data_ptr<float>() : nullptr,
+                  part.data_ptr<double>()};
+    const bool use_clip = clip >= 0.0;
+    if (use_clip && need_grad) value_all<idx_t, true, true>(a, n_blocks);
+    else if (use_clip) value_all<idx_t, true, false>(a, n_blocks);
+    else if (need_grad) value_all<idx_t, false, true>(a, n_blocks);
+    else value_all<idx_t, false, false>(a, n_blocks);
+  };
+  if (cu_seqlens && cu_seqlens->scalar_type() == at::kInt) {
+    TORCH_CHECK(cu_seqlens->is_contiguous(), "value_loss: cu_seqlens must be contiguous");
+    run(int32_t{});
+  } else {
+    TORCH_CHECK(!cu_seqlens || (cu_seqlens->scalar_type() == at::kLong && cu_seqlens->is_contiguous()),
+                "value_loss: cu_seqlens must be a contiguous int32/int64 tensor");
+    run(int64_t{});
+  }
+
+  double loss = 0.0, n = 0.0, nc = 0.0, sv = 0.0;
+  Moments mr, me;
+  const double* p = part.data_ptr<double>();
+  for (int64_t b = 0; b < n_blocks; ++b, p += kParts) {
+    loss += p[kLoss];
+    n += p[kTokens];
+    nc += p[kClipped];
+    sv += p[kSumV];
+    mr.add(p[kTokens], p[kSumR], p[kM2R]);
+    me.add(p[kTokens], p[kSumE], p[kM2E]);
+  }
+  const double inv = n > 0 ? 1.0 / n : 0.0, var_r = mr.var();
+  at::Tensor metrics = at::empty({3}, f32);
+  float* m = metrics.data_ptr<float>();
+  m[0] = (float)(nc * inv);                                  // clip_fraction
+  m[1] = (float)(sv * inv);                                  // value_mean
+  m[2] = (float)(var_r > 0.0 ? 1.0 - me.var() / var_r : 0.0);  // explained_variance
+  return {at::scalar_tensor(loss, f32), metrics, grad};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(compactionrl_fast, m) {
+  m.def(
+      "value_loss(Tensor values, Tensor old_values, Tensor returns, Tensor loss_mask, Tensor? cu_seqlens, "
+      "Tensor seg_scale, float clip, bool need_grad) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(compactionrl_fast, CPU, m) { m.impl("value_loss", &value_loss_cpu); }

@@ -1,0 +1,152 @@
+// CUDA kernels of ppo_policy_loss (no torch headers: tests/test_aot.py compiles this file on its own).
+// Pass 1: each block of kTile tokens computes the per-token loss and gradient (csrc/common/ppo_math.h,
+// the same code the CPU kernel runs) and writes its partial sums to part[block]. Pass 2: one block adds
+// the partials in a fixed order. No float atomics, so results are bitwise deterministic.
+// The torch binding is csrc/cuda/ppo_loss.cu; semantics: compactionrl_fast/ops/ppo_loss.py.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/ppo_math.h"
+
+namespace crf {
+namespace ppo_cuda {
+
+constexpr int kThreads = 256;
+constexpr int kItems = 4;                     // tokens per thread
+constexpr int kTile = kThreads * kItems;      // tokens per block
+constexpr int kParts = 8;                     // loss, tokens, clipped, dual, kl, ratio_max, 2 unused
+
+struct Params {
+  const float *logp, *old, *adv, *roll;  // [T]; roll may be null
+  const bool* mask;                      // [T]
+  const void* cu;                        // [S+1] int32/int64, or null (one segment)
+  const double* scale;                   // [S] reduction weight of each segment's tokens
+  int64_t S, T;
+  float ratio_lo, ratio_hi, dual_c, tis_cap;
+  float* grad;     // [T] or null
+  float* part;     // [n_blocks, kParts]
+  float* loss;     // []
+  float* metrics;  // [4]
+};
+
+// The segment of token t: the last s in [0, S) with cu[s] <= t.
+template <typename idx_t>
+__device__ __forceinline__ int64_t segment_of(const idx_t* cu, int64_t S, int64_t t) {
+  int64_t lo = 0, hi = S;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) >> 1;
+    if ((int64_t)cu[mid] <= t) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// Fixed-order block reductions through shared memory (a tree over the thread index).
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T v, T* smem, Op op) {
+  smem[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = kThreads / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) smem[threadIdx.x] = op(smem[threadIdx.x], smem[threadIdx.x + s]);
+    __syncthreads();
+  }
+  const T out = smem[0];
+  __syncthreads();
+  return out;
+}
+
+struct Add {
+  template <typename T>
+  __device__ T operator()(T a, T b) const { return a + b; }
+};
+struct Max {
+  template <typename T>
+  __device__ T operator()(T a, T b) const { return a > b ? a : b; }
+};
+
+template <typename idx_t, bool TIS>
+__global__ void __launch_bounds__(kThreads) ppo_loss_block_kernel(Params p) {
+  __shared__ float smem[kThreads];
+  const idx_t* cu = static_cast<const idx_t*>(p.cu);
+  float loss = 0.f, n = 0.f, nc = 0.f, nd = 0.f, kl = 0.f, rmax = 0.f;
+  const int64_t base = (int64_t)blockIdx.x * kTile;
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const int64_t t = base + i * kThreads + threadIdx.x;  // coalesced
+    if (t >= p.T) break;
+    const bool m = p.mask[t];
+    const float x = p.logp[t] - p.old[t];
+    const PpoToken o = ppo_token(x, p.adv[t], p.ratio_lo, p.ratio_hi, p.dual_c);
+    float l = o.loss, g = o.dlogp;
+    if (TIS) {
+      const float wi = exp_f32(p.old[t] - p.roll[t]);
+      const float wc = wi < p.tis_cap ? wi : p.tis_cap;
+      l *= wc;
+      g *= wc;
+    }
+    const float w = (float)(cu == nullptr ? p.scale[0] : p.scale[segment_of(cu, p.S, t)]);
+    if (p.grad != nullptr) p.grad[t] = m ? g * w : 0.f;
+    loss += m ? l * w : 0.f;
+    n += m;
+    nc += m && o.clipped;
+    nd += m && o.dual;
+    kl += m ? kl_term(x, o.ratio) : 0.f;
+    rmax = (m && o.ratio > rmax) ? o.ratio : rmax;
+  }
+  float* out = p.part + (int64_t)blockIdx.x * kParts;
+  const float vals[5] = {loss, n, nc, nd, kl};
+#pragma unroll
+  for (int k = 0; k < 5; ++k) {
+    const float s = block_reduce(vals[k], smem, Add());
+    if (threadIdx.x == 0) out[k] = s;
+  }
+  const float mx = block_reduce(rmax, smem, Max());
+  if (threadIdx.x == 0) out[5] = mx;
+}
+
+// One block: thread i adds partial rows i, i + kThreads, ... in order (double), then a fixed tree.
+__global__ void __launch_bounds__(kThreads) ppo_loss_reduce_kernel(const float* part, int64_t n_blocks, float* loss,
+                                                                   float* metrics) {
+  __shared__ double smem[kThreads];
+  double acc[6] = {0, 0, 0, 0, 0, 0};
+  for (int64_t b = threadIdx.x; b < n_blocks; b += kThreads) {
+#pragma unroll
+    for (int k = 0; k < 5; ++k) acc[k] += part[b * kParts + k];
+    acc[5] = fmax(acc[5], (double)part[b * kParts + 5]);
+  }
+  double tot[6];
+#pragma unroll
+  for (int k = 0; k < 5; ++k) tot[k] = block_reduce(acc[k], smem, Add());
+  tot[5] = block_reduce(acc[5], smem, Max());
+  if (threadIdx.x == 0) {
+    const double inv = tot[1] > 0 ? 1.0 / tot[1] : 0.0;
+    *loss = (float)tot[0];
+    metrics[0] = (float)(tot[2] * inv);  // clip_fraction
+    metrics[1] = (float)(tot[3] * inv);  // dual_clip_fraction
+    metrics[2] = (float)(tot[4] * inv);  // approx_kl
+    metrics[3] = (float)tot[5];          // ratio_max
+  }
+}
+
+inline int64_t n_blocks(int64_t T) { return (T + kTile - 1) / kTile; }
+
+// Host launcher (non-template: it instantiates every kernel, so this file compiles to a full cubin).
+// `part` needs n_blocks(T) * kParts floats.
+void launch(const Params& p, bool cu_is_int64, cudaStream_t stream) {
+  const int64_t nb = n_blocks(p.T);
+  if (nb > 0) {
+    const bool tis = p.roll != nullptr;
+    if (cu_is_int64) {
+      if (tis) ppo_loss_block_kernel<int64_t, true><<<nb, kThreads, 0, stream>>>(p);
+      else ppo_loss_block_kernel<int64_t, false><<<nb, kThreads, 0, stream>>>(p);
+    } else {
+      if (tis) ppo_loss_block_kernel<int32_t, true><<<nb, kThreads, 0, stream>>>(p);
+      else ppo_loss_block_kernel<int32_t, false><<<nb, kThreads, 0, stream>>>(p);
+    }
+  }
+  ppo_loss_reduce_kernel<<<1, kThreads, 0, stream>>>(p.part, nb, p.loss, p.metrics);
+}
+
+}  // namespace ppo_cuda
+}  // namespace crf

@@ -1,0 +1,171 @@
+"""value_loss: reference by hand and vs the common trainers' clipped value loss; every backend vs the
+float64 reference (loss, gradient, metrics) on packed batches, every reduction with and without a
+denominator, clipped and unclipped; fully-masked and empty batches; determinism; bad inputs."""
+import pytest
+import torch
+
+import compactionrl_fast as crf
+from compactionrl_fast.ops._dispatch import available
+from compactionrl_fast.reference import losses as ref
+from tests.utils import SHAPE_TABLE, packed_batch, random_case
+
+# numpy warns on the inf/NaN the interpreter computes in masked-out lanes
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+BACKENDS = [b for b in ("cpp", "triton", "cuda") if b in available(torch.device("cpu"))]
+REDUCTIONS = ["token-mean", "segment-mean", "rollout-mean", "sum"]
+
+
+def value_inputs(T, seed, offset=0.0):
+    g = torch.Generator().manual_seed(seed)
+    ret = torch.randn(T, generator=g) + offset
+    old = ret + 0.5 * torch.randn(T, generator=g)
+    return dict(values=old + 0.4 * torch.randn(T, generator=g), old_values=old, returns=ret)
+
+
+def run_backend(backend, b, x, **kw):
+    v = x["values"].clone().double().requires_grad_() if backend is None else x["values"].clone().requires_grad_()
+    fn = ref.value_loss if backend is None else crf.value_loss
+    extra = {} if backend is None else {"backend": backend}
+    loss, m = fn(v, x["old_values"], x["returns"], b["loss_mask"], cu_seqlens=b["cu_seqlens"],
+                 cu_segments=b["cu_segments"], **kw, **extra)
+    loss.backward()
+    return loss, m, v.grad
+
+
+def check_against_reference(backend, b, x, **kw):
+    loss, m, grad = run_backend(backend, b, x, **kw)
+    rl, rm, rg = run_backend(None, b, x, **kw)
+    assert loss.dtype == torch.float32 and loss.shape == () and not grad.isnan().any()
+    l_tok = ref.value_token_losses(x["values"], x["old_values"], x["returns"], clip=kw.get("clip"))[0]
+    w = ref.token_weights(b["loss_mask"], b["cu_seqlens"], b["cu_segments"], kw.get("reduction", "token-mean"),
+                          kw.get("denominator"))
+    scale = float((w * l_tok.abs()).sum())
+    assert abs(loss.item() - rl.item()) <= 2e-6 * scale + 1e-30, (backend, kw, loss.item(), rl.item())
+    torch.testing.assert_close(grad.double(), rg, rtol=1e-6, atol=1e-30, msg=lambda s: f"{backend} {kw}: {s}")
+    assert (grad[~b["loss_mask"]] == 0).all()
+    torch.testing.assert_close(m["clip_fraction"].double(), rm["clip_fraction"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(m["value_mean"].double(), rm["value_mean"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m["explained_variance"].double(), rm["explained_variance"], rtol=1e-5, atol=1e-6)
+
+
+def test_reference_hand_computed():
+    v = torch.tensor([1.0, 2.0, 0.0, 5.0], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([0.0, 2.5, 0.5, 0.0], dtype=torch.float64)
+    ret = torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    mask = torch.tensor([True, True, True, False])
+    # clip 0.2: token 0: v_clip = 0.2, (1)^2 vs (0.2)^2 -> unclipped, grad 1; token 1: v_clip = 2.3,
+    # 4 vs 5.29 -> clipped 5.29, grad 0; token 2: v_clip = 0.3, 1 vs 0.49 -> unclipped, grad -1
+    loss, m = ref.value_loss(v, old, ret, mask, clip=0.2)
+    loss.backward()
+    torch.testing.assert_close(loss, torch.tensor((0.5 * 1 + 0.5 * 5.29 + 0.5 * 1) / 3, dtype=torch.float64))
+    torch.testing.assert_close(v.grad, torch.tensor([1 / 3, 0, -1 / 3, 0], dtype=torch.float64))
+    assert float(m["clip_fraction"]) == pytest.approx(1 / 3) and float(m["value_mean"]) == 1.0
+    r, e = ret[:3], (ret - v.detach())[:3]
+    torch.testing.assert_close(m["explained_variance"], 1 - e.var(unbiased=False) / r.var(unbiased=False))
+
+
+def test_reference_matches_common_trainer_clipped_value_loss():
+    """The trainers' form 0.5 * max((v-R)^2, (old + clamp(v-old) - R)^2) and token-mean / seq-mean."""
+    g = torch.Generator().manual_seed(0)
+    B, L = 5, 40
+    mask = torch.rand(B, L, generator=g) < 0.7
+    mask[:, 0] = True
+    ret, old = torch.randn(B, L, generator=g, dtype=torch.float64), torch.randn(B, L, generator=g, dtype=torch.float64)
+    v = old + 0.3 * torch.randn(B, L, generator=g, dtype=torch.float64)
+    v_clip = old + torch.clamp(v - old, -0.2, 0.2)
+    loss_mat = 0.5 * torch.maximum((v - ret) ** 2, (v_clip - ret) ** 2)
+    cu = torch.arange(B + 1) * L
+    tm, _ = ref.value_loss(v.flatten(), old.flatten(), ret.flatten(), mask.flatten(), clip=0.2, cu_seqlens=cu)
+    sm, _ = ref.value_loss(v.flatten(), old.flatten(), ret.flatten(), mask.flatten(), clip=0.2, cu_seqlens=cu,
+                           reduction="segment-mean")
+    torch.testing.assert_close(tm, ref.padded_token_mean(loss_mat, mask))
+    torch.testing.assert_close(sm, ref.padded_seq_mean_token_mean(loss_mat, mask))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(SHAPE_TABLE))
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_backend_matches_reference_shape_table(backend, case, index_dtype):
+    b = packed_batch(SHAPE_TABLE[case], seed=len(case) + 1, index_dtype=index_dtype)
+    x = value_inputs(b["loss_mask"].numel(), seed=len(case))
+    n = int(b["loss_mask"].sum())
+    for red in REDUCTIONS:  # clipped without a denominator, unclipped with one
+        check_against_reference(backend, b, x, clip=0.2, reduction=red)
+        if red != "sum":
+            check_against_reference(backend, b, x, reduction=red, denominator=2 * n + 3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", range(3))
+def test_backend_matches_reference_random(backend, seed):
+    b = packed_batch(random_case(seed), seed=seed, index_dtype=[torch.int32, torch.int64][seed % 2])
+    x = value_inputs(b["loss_mask"].numel(), seed=seed)
+    for red in REDUCTIONS:
+        check_against_reference(backend, b, x, clip=0.3, reduction=red)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_explained_variance_with_large_mean_does_not_cancel(backend):
+    """Returns ~ 1000 +- 1: per-block (n, sum, M2) partials keep the variance exact in float64."""
+    b = packed_batch(SHAPE_TABLE["long_multiblock"], seed=3)
+    x = value_inputs(b["loss_mask"].numel(), seed=3, offset=1000.0)
+    _, m, _ = run_backend(backend, b, x)
+    _, rm, _ = run_backend(None, b, x)
+    torch.testing.assert_close(m["explained_variance"].double(), rm["explained_variance"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m["value_mean"].double(), rm["value_mean"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_fully_masked_batch_gives_zero_loss_and_gradient(backend, reduction):
+    b = packed_batch(SHAPE_TABLE["four_segments"], seed=0)
+    b["loss_mask"] = torch.zeros_like(b["loss_mask"])
+    x = value_inputs(b["loss_mask"].numel(), seed=0)
+    if backend != "torch":  # the kernels never read masked positions into the loss (autograd would)
+        x["returns"][::4] = float("inf")
+    loss, m, grad = run_backend(backend, b, x, clip=0.2, reduction=reduction)
+    assert loss.item() == 0.0 and (grad == 0).all()
+    assert all(float(v) == 0.0 for v in m.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bitwise_deterministic(backend):
+    b = packed_batch(SHAPE_TABLE["long_multiblock"], seed=2)
+    x = value_inputs(b["loss_mask"].numel(), seed=2)
+    threads = torch.get_num_threads()
+    runs = []
+    for n_threads in (1, threads):
+        torch.set_num_threads(n_threads)
+        runs.append(run_backend(backend, b, x, clip=0.2, reduction="rollout-mean"))
+    torch.set_num_threads(threads)
+    (l0, m0, g0), (l1, m1, g1) = runs
+    assert torch.equal(l0, l1) and torch.equal(g0, g1) and all(torch.equal(m0[k], m1[k]) for k in m0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_flows_to_values_only(backend):
+    b = packed_batch(SHAPE_TABLE["odd_lengths"], seed=1)
+    x = {k: t.clone().requires_grad_() for k, t in value_inputs(b["loss_mask"].numel(), seed=1).items()}
+    loss, _ = crf.value_loss(*x.values(), b["loss_mask"], clip=0.1, backend=backend)
+    loss.backward()
+    assert x["values"].grad is not None and x["old_values"].grad is None and x["returns"].grad is None
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda t, k: t.update(loss_mask=t["loss_mask"].float()), TypeError, "loss_mask"),
+    (lambda t, k: t.update(values=t["values"].int()), TypeError, "values"),
+    (lambda t, k: t.update(returns=t["returns"][1:]), ValueError, "returns"),
+    (lambda t, k: t.update(old_values=None), TypeError, "old_values"),
+    (lambda t, k: k.update(clip=-0.1), ValueError, "clip"),
+    (lambda t, k: k.update(reduction="rollout"), ValueError, "reduction"),
+    (lambda t, k: k.update(reduction="sum", denominator=2), ValueError, "denominator"),
+    (lambda t, k: k.update(cu_seqlens=torch.tensor([0, 5])), ValueError, "cu_seqlens"),
+    (lambda t, k: k.update(backend="cuda"), ValueError, "cuda"),
+])
+def test_bad_inputs_raise(mutate, exc, match):
+    b = packed_batch(SHAPE_TABLE["four_segments"], seed=0)
+    t = dict(value_inputs(b["loss_mask"].numel(), seed=0), loss_mask=b["loss_mask"])
+    k = dict(cu_seqlens=b["cu_seqlens"], cu_segments=b["cu_segments"])
+    mutate(t, k)
+    with pytest.raises(exc, match=match):
+        crf.value_loss(t["values"], t["old_values"], t["returns"], t["loss_mask"], **k)

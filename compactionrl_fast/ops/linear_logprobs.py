@@ -57,9 +57,14 @@ def _stats_torch(z, y, lse, logp, ent, tmp):
     return log_s
 
 
-def _dlogits_torch(z, y, shift, ent, g_lp, g_ent, tmp):
-    """z [c, V] fp32 with log p = z - shift -> dL/dz in place: g_lp * (e_y - p) - g_ent * p * (log p + H)."""
-    if g_ent is None:
+def _dlogits_torch(z, y, shift, ent, g_lp, g_ent, tmp, z_is_exp=False):
+    """z [c, V] fp32 with log p = z - shift -> dL/dz in place: g_lp * (e_y - p) - g_ent * p * (log p + H).
+
+    z_is_exp: z holds exp(z - max) = p * exp(shift) instead (left so by `_stats_torch` without tmp).
+    """
+    if z_is_exp:
+        z.mul_((-g_lp * torch.exp(-shift))[:, None])
+    elif g_ent is None:
         z.sub_(shift[:, None]).exp_().mul_(-g_lp[:, None])
     else:
         p = torch.sub(z, shift[:, None], out=tmp).exp_()
@@ -99,22 +104,24 @@ class _Chunker:
         return x, torch.mul(x, self.inv_t, out=self.fbuf[:c])
 
     def stats(self, sl, y, lse, logp, ent):
-        """Write lse, logp, ent of rows `sl`. Returns the chunk's state (x, z, shift) for `dlogits`."""
+        """Write lse, logp, ent of rows `sl`. Returns the chunk's state (x, z, shift, z_is_exp) for
+        `dlogits`: the Triton kernels leave x as it was; the PyTorch path leaves z - max in z, or
+        exp(z - max) when it has no tmp buffer."""
         x, z = self.logits(sl)
         if self.use_triton:
             from ..kernels.linear_logprobs import linear_logprobs_stats
             linear_logprobs_stats(x, y, lse, logp, ent, self.inv_t)
-            return x, z, lse
-        return x, z, _stats_torch(z, y, lse, logp, ent, self._tmp(z))
+            return x, z, lse, False
+        return x, z, _stats_torch(z, y, lse, logp, ent, self._tmp(z)), self.tmp is None
 
     def dlogits(self, sl, y, lse, ent, g_lp, g_ent, state=None):
         """dL/dz of the rows `sl` in the matmul dtype (a view of the chunk buffer). Recomputes the logits
         unless `state` (from `stats` on this chunk) still holds them."""
-        x, z, shift = state if state is not None else (*self.logits(sl), lse)
+        x, z, shift, z_is_exp = state if state is not None else (*self.logits(sl), lse, False)
         if self.use_triton:
             from ..kernels.linear_logprobs import linear_logprobs_dlogits
             return linear_logprobs_dlogits(x, y, shift, ent, g_lp, g_ent, self.inv_t)
-        _dlogits_torch(z, y, shift, ent, g_lp, g_ent, self._tmp(z))
+        _dlogits_torch(z, y, shift, ent, g_lp, g_ent, self._tmp(z), z_is_exp)
         return x if x is z else x.copy_(z)
 
 
@@ -240,7 +247,7 @@ class LinearLogprobsLossFunction(torch.autograd.Function):
         lse, logp = _alloc.empty(T, device=dev), _alloc.empty(T, device=dev)
         ent = _alloc.empty(T, device=dev) if want_entropy else None
         chunks = _chunks(T, C)
-        ck = _Chunker(hidden, weight, bias, inv_t, C, use_triton, need_tmp=True)
+        ck = _Chunker(hidden, weight, bias, inv_t, C, use_triton, need_tmp=want_entropy)
         grads = _Grads(hidden, weight, bias, tuple(ctx.needs_input_grad[:3]), len(chunks))
         total = torch.zeros((), device=dev)
         for sl in chunks:

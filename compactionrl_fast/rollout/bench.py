@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -17,24 +18,28 @@ import time
 import torch
 
 
-def _sft(model, steps, batch, lr=3e-3):
-    """A few quick supervised steps on expert demonstrations (for realistic response lengths)."""
+def _sft(model, steps, batch, lr=3e-3, seed=1000):
+    """Supervised steps on expert demonstrations (so that responses have the demo's lengths): padded
+    attention sequences of prefix-shared packs, next-token loss on the expert's tokens."""
     from ..envs import expert_rollouts
     from ..packing import pack
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(steps, 1))
     model.train()
     for step in range(steps):
-        b = pack(expert_rollouts(batch, seed=1000 + step, drop_oldest_p=0.0))
-        loss = 0.0
-        for a0, a1 in zip(b.cu_attn[:-1].tolist(), b.cu_attn[1:].tolist()):
-            ids = b.input_ids[a0:a1][None]
-            logits = model(input_ids=ids).logits[0, :-1].float()
-            m = b.loss_mask[a0 + 1:a1]
-            loss = loss + torch.nn.functional.cross_entropy(logits[m], ids[0, 1:][m], reduction="sum")
-        (loss / b.num_trainable).backward()
+        b = pack(expert_rollouts(batch, seed=seed + step, drop_oldest_p=0.0), prefix_sharing=True)
+        lens = b.cu_attn.diff().tolist()
+        ids = torch.nn.utils.rnn.pad_sequence(list(b.input_ids.split(lens)), batch_first=True)
+        m = torch.nn.utils.rnn.pad_sequence(list(b.loss_mask.split(lens)), batch_first=True)
+        att = torch.nn.utils.rnn.pad_sequence([torch.ones(n, dtype=torch.long) for n in lens], batch_first=True)
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+        tgt = m[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits[tgt], ids[:, 1:][tgt])
+        loss.backward()
         opt.step()
         opt.zero_grad()
+        sched.step()
     model.eval()
 
 
@@ -50,38 +55,46 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--expert-warmup", type=int, default=0, help="SFT steps on expert demos before timing")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--load", default=None, help="state_dict file to load into the model (e.g. a SFT checkpoint)")
+    ap.add_argument("--no-prefix-cache", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     tok = memory_tokenizer()
     model = tiny_llama(len(tok))
+    if args.load:
+        model.load_state_dict(torch.load(args.load))
     if args.expert_warmup:
         _sft(model, args.expert_warmup, 16)
-    eng = TransformersEngine(model, pad_token_id=tok.pad_token_id)
+    eng = TransformersEngine(model, pad_token_id=tok.pad_token_id, prefix_cache=not args.no_prefix_cache)
     cfg = memory_config(temperature=args.temperature)
-    times, gen_tokens, packed, shared, compactions = [], [], [], [], []
+    times, cpu, gen_tokens, packed, shared, compactions, success = [], [], [], [], [], [], []
     for rep in range(args.repeats + 1):
         envs = [MemoryEnv() for _ in range(args.batch)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         ros = run_rollouts(eng, envs, tok, cfg, seeds=[rep * args.batch + i for i in range(args.batch)])
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if rep == 0:
             continue  # warm-up
         times.append(dt)
+        cpu.append(dc)
+        success.append(sum(r.success for r in ros) / len(ros))
         gen_tokens.append(sum(r.num_trainable for r in ros))
         packed.append(pack(ros).num_tokens)
         shared.append(pack(ros, prefix_sharing=True).num_tokens)
         compactions.append(sum(r.compactions for r in ros) / len(ros))
     t = statistics.median(times)
     print(json.dumps({
-        "engine": "transformers", "batch": args.batch, "threads": torch.get_num_threads(),
+        "engine": "transformers", "prefix_cache": not args.no_prefix_cache, "batch": args.batch, "threads": torch.get_num_threads(),
         "params": sum(p.numel() for p in model.parameters()), "expert_warmup": args.expert_warmup,
-        "seconds_per_batch_median": round(t, 4), "rollouts_per_s": round(args.batch / t, 1),
+        "seconds_per_batch_median": round(t, 4), "cpu_seconds_per_batch_median": round(statistics.median(cpu), 4),
+        "rollouts_per_s": round(args.batch / t, 1),
         "generated_tokens_per_s": round(statistics.median(gen_tokens) / t, 1),
         "packed_tokens_per_s": round(statistics.median(packed) / t, 1),
         "packed_tokens_per_rollout": round(statistics.median(packed) / args.batch, 1),
         "shared_tokens_per_rollout": round(statistics.median(shared) / args.batch, 1),
         "compactions_per_rollout": round(statistics.mean(compactions), 2),
+        "success": round(statistics.mean(success), 3), "load_avg_1min": round(os.getloadavg()[0], 2),
         "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
     }))
 

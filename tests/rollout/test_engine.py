@@ -31,9 +31,11 @@ def fresh_logprobs(model, prompt, tokens, temperature=1.0):
     return lp[len(prompt) - 1:-1].gather(1, seq[0, len(prompt):, None])[:, 0]
 
 
+@pytest.mark.parametrize("lean", [True, False])
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.9), (0.0, 1.0)])
-def test_logprobs_equal_a_fresh_forward(model, temperature, top_p):
-    eng = TransformersEngine(model)
+def test_logprobs_equal_a_fresh_forward(model, temperature, top_p, lean):
+    eng = TransformersEngine(model, lean=lean)
+    assert eng.lean == lean
     prompts, caps = prompts_and_caps()
     outs = eng.generate(prompts, caps, temperature=temperature, top_p=top_p, stop_token_ids=[2, 7], seed=0)
     for p, o, c in zip(prompts, outs, caps):
@@ -43,8 +45,9 @@ def test_logprobs_equal_a_fresh_forward(model, temperature, top_p):
             torch.testing.assert_close(torch.tensor(o.logprobs), ref, rtol=0, atol=2e-5)
 
 
-def test_stop_tokens_and_caps(model):
-    eng = TransformersEngine(model)
+@pytest.mark.parametrize("lean", [True, False])
+def test_stop_tokens_and_caps(model, lean):
+    eng = TransformersEngine(model, lean=lean)
     prompts, caps = prompts_and_caps()
     stops = {2, 7, 11, 19}
     for seed in range(3):
@@ -57,8 +60,9 @@ def test_stop_tokens_and_caps(model):
                 assert len(o.token_ids) == c and (not o.token_ids or o.token_ids[-1] not in stops)
 
 
-def test_greedy_batched_equals_one_by_one(model):
-    eng = TransformersEngine(model, prefix_cache=False)
+@pytest.mark.parametrize("lean", [True, False])
+def test_greedy_batched_equals_one_by_one(model, lean):
+    eng = TransformersEngine(model, prefix_cache=False, lean=lean)
     prompts, caps = prompts_and_caps()
     batched = eng.generate(prompts, caps, temperature=0.0, stop_token_ids=[2])
     for p, c, b in zip(prompts, caps, batched):
@@ -78,9 +82,10 @@ def test_tiny_top_p_is_greedy_and_seed_reproducible(model):
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
 
 
-def test_prefix_reuse_matches_full_prefill(model):
+@pytest.mark.parametrize("lean", [True, False])
+def test_prefix_reuse_matches_full_prefill(model, lean):
     """Multi-turn conversations with cache_keys give the same tokens and log-probs as prefilling all."""
-    cached, plain = TransformersEngine(model), TransformersEngine(model, prefix_cache=False)
+    cached, plain = TransformersEngine(model, lean=lean), TransformersEngine(model, prefix_cache=False, lean=False)
     g = torch.Generator().manual_seed(4)
     convs = [torch.randint(3, V, (int(n),), generator=g).tolist() for n in (3, 9, 17, 1, 30)]
     for turn in range(4):
@@ -142,3 +147,27 @@ def test_sample_tokens_logprob_is_pre_top_p():
     tok, lp = sample_tokens(logits, 0.5, 0.3, torch.Generator().manual_seed(0))
     assert int(tok) == 0
     assert float(lp) == pytest.approx(float(torch.log_softmax(logits / 0.5, -1)[0, 0]), abs=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2"])
+def test_lean_path_other_configs(arch):
+    """The lean forward on grouped-query attention and on Qwen2 (attention biases) equals the HF forward."""
+    import transformers
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+    if arch == "qwen2":
+        m = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw)).eval()
+    else:
+        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw, rope_theta=500.0)).eval()
+    eng = TransformersEngine(m)
+    assert eng.lean
+    prompts, caps = prompts_and_caps()
+    outs = eng.generate(prompts, caps, seed=0, cache_keys=list(range(len(prompts))))
+    outs2 = eng.generate([p + o.token_ids + [5, 6] for p, o in zip(prompts, outs)], caps, seed=1,
+                         cache_keys=list(range(len(prompts))))
+    for p, o, o2 in zip(prompts, outs, outs2):
+        if o2.token_ids:
+            ref = fresh_logprobs(m, p + o.token_ids + [5, 6], o2.token_ids)
+            torch.testing.assert_close(torch.tensor(o2.logprobs), ref, rtol=0, atol=2e-5)

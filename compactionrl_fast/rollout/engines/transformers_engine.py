@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import lean_decoder
 from .base import Engine, Generation, caps_list
 
 
@@ -42,7 +43,9 @@ def sample_tokens(logits, temperature: float, top_p: float, generator=None):
 @dataclass
 class _Cached:
     seq: list  # tokens whose KV is stored (prompt + completion minus its last token)
-    kv: list  # per layer (keys [H, L, D], values [H, L, D])
+    src: list  # the batch cache's per-layer (keys [B, H, L, D], values) holding this row
+    row: int  # row in src
+    cols: torch.Tensor  # [len(seq)] columns of src holding the tokens of seq, in order
 
 
 def _common_prefix(a, b) -> int:
@@ -71,6 +74,8 @@ class TransformersEngine(Engine):
         pad_token_id: id fed in padded positions (never attended to).
         max_batch_size: prompts are processed in chunks of at most this many rows (None: all at once).
         prefix_cache: keep per-key KV between calls (see the module docstring).
+        lean: use the lean Llama-style forward (engines/lean_decoder.py) when the model supports it
+            (default); False always uses the model's own forward with a DynamicCache.
 
     Example:
         >>> eng = TransformersEngine(model)                              # doctest: +SKIP
@@ -78,8 +83,10 @@ class TransformersEngine(Engine):
         >>> out[0].token_ids, out[0].logprobs, out[0].finish_reason     # doctest: +SKIP
     """
 
-    def __init__(self, model, *, pad_token_id: int = 0, max_batch_size: int | None = None, prefix_cache: bool = True):
+    def __init__(self, model, *, pad_token_id: int = 0, max_batch_size: int | None = None, prefix_cache: bool = True,
+                 lean: bool = True):
         self.model = model
+        self.lean = bool(lean) and lean_decoder.supports(model)
         self.pad_token_id = int(pad_token_id)
         self.max_batch_size = max_batch_size
         self.prefix_cache = prefix_cache
@@ -115,8 +122,10 @@ class TransformersEngine(Engine):
     def _weights_version(self):
         return tuple(p._version for p in self.model.parameters()) + (self.device, self.model.dtype)
 
-    # -- cache plumbing (DynamicCache across transformers versions) --
-    def _make_cache(self, pairs=None):
+    # -- cache plumbing (our KVCache, or DynamicCache across transformers versions) --
+    def _make_cache(self, pairs=None, batch=0, capacity=0):
+        if self.lean:
+            return lean_decoder.KVCache(self.model, batch, capacity, pairs)
         from transformers import DynamicCache
 
         if pairs is None:
@@ -131,11 +140,15 @@ class TransformersEngine(Engine):
 
     @staticmethod
     def _layers(cache):
+        if isinstance(cache, lean_decoder.KVCache):
+            return cache.layers
         if hasattr(cache, "layers"):
             return [(layer.keys, layer.values) for layer in cache.layers]
         return list(zip(cache.key_cache, cache.value_cache))
 
     def _forward(self, ids, mask, pos, cache, last_only):
+        if self.lean:
+            return lean_decoder.forward(self.model, ids, mask, pos, cache, last_only)
         kw = {self._cache_kw: cache, "use_cache": True}
         if last_only and self._keep_kw:
             kw[self._keep_kw] = 1
@@ -174,7 +187,7 @@ class TransformersEngine(Engine):
         self._store_version = self._weights_version()
         return out
 
-    def _start(self, prompts, keys, old):
+    def _start(self, prompts, keys, old, maxcap):
         """Build the batch's first forward: reused KV (right-aligned) + the new tokens (left-padded).
 
         Returns (ids [B, S], mask [B, P+S], pos [B, S], cache)."""
@@ -186,44 +199,53 @@ class TransformersEngine(Engine):
             reuse.append((n, ent))
         P = max(n for n, _ in reuse)
         S = max(len(p) - n for p, (n, _) in zip(prompts, reuse))
-        ids = torch.full((B, S), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((B, P + S), dtype=torch.long)
-        pos = torch.zeros((B, S), dtype=torch.long)
-        for b, (p, (n, _)) in enumerate(zip(prompts, reuse)):
+        pad = self.pad_token_id
+        ids, mask, pos = [], [], []
+        for p, (n, _) in zip(prompts, reuse):
             s = len(p) - n
-            ids[b, S - s:] = torch.tensor(p[n:], dtype=torch.long)
-            mask[b, P - n:P] = 1
-            mask[b, P + S - s:] = 1
-            pos[b, S - s:] = torch.arange(n, len(p))
-        cache = self._make_cache()
+            ids.append([pad] * (S - s) + p[n:])
+            mask.append([0] * (P - n) + [1] * n + [0] * (S - s) + [1] * s)
+            pos.append([0] * (S - s) + list(range(n, len(p))))
+        pairs = None
         if P > 0:
-            ent0 = next(ent for n, ent in reuse if n > 0)
-            pairs = []
-            for layer, (k0, v0) in enumerate(ent0.kv):
-                k = k0.new_zeros((B, k0.shape[0], P, k0.shape[2]))
-                v = v0.new_zeros((B, v0.shape[0], P, v0.shape[2]))
-                for b, (n, ent) in enumerate(reuse):
-                    if n > 0:
-                        k[b, :, P - n:] = ent.kv[layer][0][:, :n]
-                        v[b, :, P - n:] = ent.kv[layer][1][:, :n]
-                pairs.append((k, v))
-            cache = self._make_cache(pairs)
-        return ids.to(dev), mask.to(dev), pos.to(dev), cache
+            groups = {}  # reused rows grouped by the cache tensors they come from
+            for b, (n, ent) in enumerate(reuse):
+                if n > 0:
+                    groups.setdefault(id(ent.src), []).append((b, n, ent))
+            first = next(iter(groups.values()))[0][2].src
+            pairs = [(k.new_zeros((B, k.shape[1], P, k.shape[3])), v.new_zeros((B, v.shape[1], P, v.shape[3])))
+                     for k, v in first]
+            for members in groups.values():
+                src = members[0][2].src
+                ns = torch.tensor([n for _, n, _ in members], device=dev)
+                G = len(members)
+                # index [G, P]: target column P-n+j of a row reads source column cols[j] (0 in padding)
+                idx = torch.zeros((G, P), dtype=torch.long, device=dev)
+                start = torch.arange(G, device=dev) * P + P - ns
+                within = torch.arange(int(ns.sum()), device=dev) - (ns.cumsum(0) - ns).repeat_interleave(ns)
+                idx.view(-1)[start.repeat_interleave(ns) + within] = torch.cat([e.cols[:n] for _, n, e in members])
+                rows_src = torch.tensor([e.row for _, _, e in members], device=dev)
+                rows_dst = torch.tensor([b for b, _, _ in members], device=dev)
+                for (k, v), (ks, vs) in zip(pairs, src):  # [G, P, H, D] -> rows of [B, H, P, D]
+                    k[rows_dst] = ks[rows_src[:, None], :, idx].transpose(1, 2)
+                    v[rows_dst] = vs[rows_src[:, None], :, idx].transpose(1, 2)
+        cache = self._make_cache(pairs, B, P + S + maxcap)
+        as_t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+        return as_t(ids), as_t(mask), as_t(pos), cache
 
     def _save(self, cache, mask, cache_rows, out_rows, prompts, keys, toks, n_out):
-        """Store the KV of finished rows under their keys (only fed tokens: the last sample was not fed)."""
-        layers = self._layers(cache)
+        """Store, per key, where the KV of its fed tokens is (the last sample was not fed)."""
+        src = self._layers(cache)
+        cols = mask.nonzero()[:, 1].split(mask.sum(1).tolist())  # per cache row: its non-padded columns
         for r, o in zip(cache_rows.tolist(), out_rows.tolist()):
             if keys[o] is None:
                 continue
             fed = len(prompts[o]) + n_out[o] - 1
-            cols = mask[r].nonzero()[:fed, 0]
-            kv = [(k[r][:, cols], v[r][:, cols]) for k, v in layers]
-            self._store[keys[o]] = _Cached(prompts[o] + toks[o][:n_out[o] - 1], kv)
+            self._store[keys[o]] = _Cached(prompts[o] + toks[o][:n_out[o] - 1], src, r, cols[r][:fed])
 
     def _generate_batch(self, prompts, caps, temperature, top_p, stop_token_ids, gen, keys, old):
         dev, B = self.device, len(prompts)
-        ids, mask, pos, cache = self._start(prompts, keys, old)
+        ids, mask, pos, cache = self._start(prompts, keys, old, max(caps))
         cap_t = torch.tensor(caps, device=dev)
         stops = torch.tensor(sorted(set(int(t) for t in stop_token_ids)) or [-1], device=dev)
         maxcap = max(caps)

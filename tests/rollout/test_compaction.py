@@ -178,3 +178,18 @@ def test_config_validation():
         RolloutConfig().replace(bogus=1)
     with pytest.raises(ValueError, match="seeds"):
         run_rollouts(FixedEngine(TOK), [ListEnv(["la"])], TOK, memory_config(), seeds=[1, 2])
+
+
+def test_plain_format_without_chat_template():
+    """A tokenizer without a chat template gets a plain "role: text" format ending turns with EOS."""
+    from compactionrl_fast.envs import word_tokenizer
+    from compactionrl_fast.envs.memory import WORDS
+
+    tok = word_tokenizer(list(WORDS) + ["system:", "user:", "assistant:"], chat_template=None)
+    chat = ChatFormat(tok)
+    assert tok.convert_ids_to_tokens(chat.gen_prompt) == ["assistant:"]
+    assert chat.stop_token_ids == (tok.eos_token_id,)
+    ro = run_rollouts(FixedEngine(tok), [ListEnv(["la lo", "done"])], tok, memory_config(budget=200), chat=chat)[0]
+    words = tok.convert_ids_to_tokens(ro.segments[0].input_ids)
+    assert words == ("system: memory user: collect digits assistant: next <eos> user: la lo "
+                     "assistant: next <eos> user: done").split()

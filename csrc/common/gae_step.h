@@ -45,4 +45,50 @@ CRF_HD double gae_step(GaeCarry& c, double r, double v, double gamma, double gam
   return a;
 }
 
+// ---- Carry maps (the CUDA kernels split a recurrence into pieces, csrc/cuda/gae_kernels.cuh) ----
+// The state carried backwards: A and V of the nearest later trainable token, and A of the returns'
+// recurrence (same V). A token range acts on it as an affine map; maps of adjacent ranges compose.
+// Plain aggregates (CUDA __shared__ arrays need trivial constructors): GaeState{} is the zero state.
+struct GaeState {
+  double a, v, ac;
+};
+
+// state' = M(state):  a' = xa*a + ya*v + pa,  v' = z*v + q,  ac' = xc*ac + yc*v + pc.
+struct GaeMap {
+  double xa, ya, pa, z, q, xc, yc, pc;
+};
+
+CRF_HD GaeMap identity_map() { return GaeMap{1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0}; }
+
+CRF_HD GaeState apply(const GaeMap& m, const GaeState& s) {
+  GaeState o;
+  o.a = m.xa * s.a + m.ya * s.v + m.pa;
+  o.v = m.z * s.v + m.q;
+  o.ac = m.xc * s.ac + m.yc * s.v + m.pc;
+  return o;
+}
+
+// The map of `earlier` applied after `later` (later tokens act first: the recurrence runs backwards).
+CRF_HD GaeMap then(const GaeMap& later, const GaeMap& e) {
+  GaeMap o;
+  o.xa = e.xa * later.xa;
+  o.ya = e.xa * later.ya + e.ya * later.z;
+  o.pa = e.xa * later.pa + e.ya * later.q + e.pa;
+  o.z = e.z * later.z;
+  o.q = e.z * later.q + e.q;
+  o.xc = e.xc * later.xc;
+  o.yc = e.xc * later.yc + e.yc * later.z;
+  o.pc = e.xc * later.pc + e.yc * later.q + e.pc;
+  return o;
+}
+
+// m <- (trainable token) after m: the token's map is gae_step's, a' = (r - v) + gamma*v_next + gamma_lam*a_next.
+CRF_HD void push_token(GaeMap& m, double r, double v, double gamma, double gamma_lam, double gamma_lam_critic) {
+  const GaeMap t{gamma_lam, gamma, r - v, 0.0, v, gamma_lam_critic, gamma, r - v};
+  m = then(m, t);
+}
+
+// m <- (the recurrence stops here) after m: nothing flows past this point.
+CRF_HD void push_reset(GaeMap& m) { m = GaeMap{}; }
+
 }  // namespace crf

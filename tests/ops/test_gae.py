@@ -383,3 +383,76 @@ def test_interp_scan_matches_the_interpreter_loop():
             outs.append(out)
         n = (8, 5, 1)[op]
         torch.testing.assert_close(outs[0][:n], outs[1][:n], rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- CUDA kernels, run on the host
+
+@pytest.fixture(scope="module", params=[(8, 4), (256, 8)], ids=["tile=8x4", "tile=256x8"])
+def cuda_host_lib(request, tmp_path_factory):
+    """csrc/cuda/gae_kernels.cuh built with g++ over tests/cuda_host_emu.h: small tiles (many tiles, several
+    carry-kernel rounds) and the GPU tile shape."""
+    import ctypes
+    import os
+    import shutil
+    import subprocess
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    threads, items = request.param
+    out = str(tmp_path_factory.mktemp("gae_cuda_host") / "gae_host.so")
+    # -fno-gnu-unique: each build keeps its own template statics (the emulated shared memory)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-fno-gnu-unique",
+                    f"-DCRF_GAE_THREADS={threads}", f"-DCRF_GAE_ITEMS={items}", "-I", os.path.join(root, "csrc"),
+                    "-I", os.path.join(root, "tests"), os.path.join(root, "tests", "ops", "gae_cuda_host.cpp"),
+                    "-o", out], check=True)
+    lib = ctypes.CDLL(out)
+    lib.crf_gae_host.restype = None
+    lib.crf_gae_host.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_double] * 4 + \
+        [ctypes.c_int64] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
+    return lib, threads * items
+
+
+def _route_cpp_to_cuda_host(monkeypatch, lib):
+    """backend="cpp" calls the CUDA kernels on the host instead (same schema, same argument preparation)."""
+    from compactionrl_fast.ops._alloc import empty
+
+    def segment_gae(rew, val, mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic):
+        T = mask.numel()
+        adv, ret = empty(T), empty(T)
+        ptr = lambda t: t.data_ptr() if t is not None and t.numel() else None
+        lib.crf_gae_host(ptr(rew), ptr(val), ptr(mask), ptr(cu), ptr(cs), ptr(lam_seg), T, cu.numel() - 1,
+                         cs.numel() - 1, gamma, lam, alpha, lam_critic, lam_mode, cross,
+                         int(cu.dtype == torch.int64), ptr(adv), ptr(ret))
+        return adv, ret
+
+    monkeypatch.setattr(torch.ops.compactionrl_fast, "segment_gae", segment_gae)
+
+
+@pytest.mark.skipif("cpp" not in BACKENDS, reason="the cpp backend defines the op schema")
+@pytest.mark.parametrize("case", list(SHAPE_TABLE))
+def test_cuda_kernels_on_host_match_reference(monkeypatch, cuda_host_lib, case):
+    lib, tile = cuda_host_lib
+    _route_cpp_to_cuda_host(monkeypatch, lib)
+    if tile > 32 and case != "long_multiblock":
+        pytest.skip("the GPU tile shape runs on the case that spans several tiles")
+    for k, mode in enumerate(MODES):
+        b = packed_batch(SHAPE_TABLE[case], seed=5 + k, index_dtype=[torch.int32, torch.int64][k % 2])
+        S = b["cu_seqlens"].numel() - 1
+        kws = [dict(), dict(gamma=0.97, lam=0.9, lam_critic=None),
+               dict(gamma=0.99, lam=torch.rand(S), lam_critic=0.8),
+               dict(gamma=0.95, lam="adaptive", adaptive_length="segment")]
+        for kw in kws[: 2 if tile > 32 else 4]:  # 256 host threads per block are slow to schedule
+            _check_backend("cpp", b, cross_segment=mode, **kw)
+
+
+@pytest.mark.skipif("cpp" not in BACKENDS, reason="the cpp backend defines the op schema")
+def test_cuda_kernels_on_host_random_batches(monkeypatch, cuda_host_lib):
+    lib, tile = cuda_host_lib
+    if tile > 32:
+        pytest.skip("small tiles only")
+    _route_cpp_to_cuda_host(monkeypatch, lib)
+    for seed in range(3):
+        b = packed_batch(random_case(seed, n_rollouts=5, max_len=150), seed=seed)
+        for mode in MODES:
+            _check_backend("cpp", b, gamma=0.99, lam=0.0 if seed == 2 else 0.95, cross_segment=mode)

@@ -90,7 +90,6 @@ async def arun_rollouts(engine, envs, tokenizer, config: RolloutConfig | None = 
     stops = tuple(sorted(set(chat.stop_token_ids) | set(config.stop_token_ids)))
     q_sum = chat.user_message(chat.encode(config.summary_instruction))
     marker = chat.encode(config.truncation_marker)
-    C = config.budget
     states = [_State(i, e, s) for i, (e, s) in enumerate(zip(envs, seeds))]
 
     for st, r in zip(states, await _call_all([(st.env.reset, (st.out.seed,)) for st in states])):
@@ -106,34 +105,16 @@ async def arun_rollouts(engine, envs, tokenizer, config: RolloutConfig | None = 
         live = [st for st in states if st.phase != "finished"]
         if not live:
             break
-        prompts, caps, reqs, keys = [], [], [], []
-        for st in live:
-            if st.phase == "act":
-                cap = min(config.max_response_tokens, C - len(st.ctx) - len(chat.gen_prompt) - len(chat.assistant_end))
-                if cap <= 0:  # no room for a response
-                    if st.out.compactions < config.max_compactions:
-                        st.phase = "summarize"
-                    else:
-                        st.finish("context_full", _truncated_reward(st, config))
-                        continue
-                else:
-                    prompts.append(st.ctx + chat.gen_prompt)
-                    caps.append(cap)
-                    reqs.append(st)
-                    keys.append(st.key)
-                    continue
-            prompts.append(st.ctx + q_sum + chat.gen_prompt)
-            caps.append(config.summary_cap)
-            reqs.append(st)
-            keys.append(st.key)
+        reqs = [(st,) + req for st in live if (req := _next_request(st, chat, config, q_sum)) is not None]
         if not reqs:
             continue
         seed = None if config.seed is None else config.seed * 1_000_003 + round_idx
-        gens = engine.generate(prompts, caps, temperature=config.temperature, top_p=config.top_p,
-                               stop_token_ids=stops, seed=seed, cache_keys=keys)
+        gens = engine.generate([p for _, p, _ in reqs], [c for _, _, c in reqs], temperature=config.temperature,
+                               top_p=config.top_p, stop_token_ids=stops, seed=seed,
+                               cache_keys=[st.key for st, _, _ in reqs])
         round_idx += 1
         acting = []
-        for st, g in zip(reqs, gens):
+        for (st, _, _), g in zip(reqs, gens):
             if st.phase == "summarize":
                 _compact(st, g, chat, config, q_sum, stops)
             else:
@@ -142,6 +123,20 @@ async def arun_rollouts(engine, envs, tokenizer, config: RolloutConfig | None = 
         for (st, g), r in zip(acting, results):
             _after_step(st, g, r, chat, config, marker, stops)
     return [st.out for st in states]
+
+
+def _next_request(st, chat, config, q_sum):
+    """(prompt, cap) of the rollout's next generation (its response, or its summary); None if it ended."""
+    if st.phase == "act":
+        room = config.budget - len(st.ctx) - len(chat.gen_prompt) - len(chat.assistant_end)
+        cap = min(config.max_response_tokens, room)
+        if cap > 0:
+            return st.ctx + chat.gen_prompt, cap
+        if st.out.compactions >= config.max_compactions:  # no room for a response, no compaction left
+            st.finish("context_full", _truncated_reward(st, config))
+            return None
+        st.phase = "summarize"
+    return st.ctx + q_sum + chat.gen_prompt, config.summary_cap
 
 
 def _truncated_reward(st, config):

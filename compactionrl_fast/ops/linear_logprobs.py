@@ -1,10 +1,13 @@
 """`linear_logprobs`: log-probs and entropy of the LM head's softmax without [T, V] logits (SPEC section 4).
 
-The tokens are processed in chunks of C rows: `z = (hidden_c @ W.T + b) / temperature` goes into one
-[C, V] buffer (a BLAS / cuBLAS matmul), then the per-row softmax work runs on it: in PyTorch ("torch",
-the CPU default) or in the Triton kernels of kernels/linear_logprobs.py ("triton", the CUDA default).
-Backward recomputes each chunk's logits, turns them into dL/dz in place and runs the two gradient
-matmuls: 4 matmuls in all where the naive composition runs 3, in exchange for O(C * V) memory.
+The tokens are processed in chunks of C rows: the logits `hidden_c @ W.T + b` of a chunk go into one
+[C, V] buffer (a BLAS / cuBLAS matmul), then the per-row softmax work on z = logits / temperature runs
+on it: in PyTorch ("torch", the CPU default) or in the Triton kernels of kernels/linear_logprobs.py
+("triton", the CUDA default). Backward recomputes each chunk's logits, turns them into dL/dz in place
+and runs the two gradient matmuls: 4 matmuls in all where the naive composition runs 3, in exchange
+for O(C * V) memory. `linear_logprobs_loss` is the fused variant: the caller's (token-separable) loss
+is applied inside the forward chunk loop, so the gradients come from the logits still in the buffer
+(3 matmuls).
 
 Gradients of both outputs with respect to z (p = softmax(z), H = entropy, one-hot of the target e_y):
     d logp / dz = e_y - p            d H / dz = -p * (log p + H)
@@ -17,9 +20,10 @@ from . import _alloc, _dispatch
 from ._validate import check_float, check_tensor
 
 HIDDEN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Logits elements per chunk buffer when chunk_size is None: 32 MB of fp32 on CPU (measured best on the
-# benchmark shape, see benchmarks/bench_linear_logprobs.py), 512 MB of bf16 on CUDA (large chunks keep
-# cuBLAS efficient; the buffer stays small next to the [V, H] weight gradient).
+# Logits elements per chunk buffer when chunk_size is None. CPU: 32 MB of fp32 (256 rows at V = 32768;
+# 256, 512 and 1024 rows cost the same CPU time there, 128 rows more: take the smallest buffer).
+# CUDA: 512 MB of bf16 (~1760 rows at V = 151936: large enough for cuBLAS, small next to the [V, H]
+# fp32 weight-gradient accumulator).
 CHUNK_ELEMS = {"cpu": 1 << 23, "cuda": 1 << 28}
 
 

@@ -299,8 +299,8 @@ def _with_plan(monkeypatch, **plan):
 
 
 @needs_triton
-@pytest.mark.parametrize("block,chunk", [(16, 16), (16, 40), (32, 96), (16, 0)],
-                         ids=["chunk=block", "chunk=2.5blocks", "chunk=3blocks", "rollout-chunks"])
+@pytest.mark.parametrize("block,chunk", [(16, 16), (16, 40), (16, 0)],
+                         ids=["chunk=block", "chunk=2.5blocks", "rollout-chunks"])
 def test_triton_blocks_and_chunks_cross_segments(monkeypatch, block, chunk):
     """Small blocks and chunks: blocks and chunks start and end inside segments, span segment and rollout
     boundaries, and every carry (across blocks, chunks, segments, rollouts) is exercised many times."""
@@ -321,7 +321,7 @@ def test_triton_gpu_sized_blocks_on_long_segments(monkeypatch):
     """The GPU block size, chunks of two blocks: segments of up to 3001 tokens span several blocks and chunks."""
     _with_plan(monkeypatch, block=kgae.BLOCK, chunk=2 * kgae.BLOCK)
     b = packed_batch(SHAPE_TABLE["long_multiblock"], seed=11)
-    for mode in MODES:
+    for mode in ("paper", "stitched"):
         _check_backend("triton", b, cross_segment=mode)
 
 

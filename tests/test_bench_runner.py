@@ -98,3 +98,27 @@ def test_benchmarks_are_collected_by_pytest_benchmark():
                           "benchmarks"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "benchmarks/bench_gae.py::" in out.stdout
+
+
+def test_report_rewrites_only_the_results_section(fake_root, tmp_path):
+    from benchmarks import report
+
+    results = tmp_path / "results"
+    for size in ("quick", "default", "quick"):  # the later quick run must not replace the default one
+        flag = ["--quick", "--no-charts"] if size == "quick" else []
+        runner.main(["--root", str(fake_root), "--only", "fast", "--no-roofline", *flag,
+                     "--json", str(results / f"suite-cpu-{size}-{len(os.listdir(tmp_path))}.json")])
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nkeep me\n\n{report.START}\nold\n{report.END}\n\ntail\n")
+    assert report.main(["--results", str(results), "--readme", str(readme), "--check"]) == 1
+    assert report.main(["--results", str(results), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# title\n\nkeep me\n\n") and text.endswith(f"{report.END}\n\ntail\n")
+    body = text.split(report.START)[1].split(report.END)[0]
+    assert "| fast | 8x8 | fused |" in body and "default sizes" in body and "quick sizes" not in body
+    assert "python -m benchmarks" in body and "GPU: not measured yet" in body
+    assert "![fast](results/suite-cpu-default-" in body
+    assert report.main(["--results", str(results), "--readme", str(readme), "--check"]) == 0
+    readme.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="results:start"):
+        report.main(["--results", str(results), "--readme", str(readme)])

@@ -1,0 +1,202 @@
+"""Every op's CUDA-tensor backends (Triton, CUDA C++) against the float64 references, on a GPU.
+
+Skipped without a GPU; `benchmarks/gpu_check.sh` runs it on a lent one (with TRITON_INTERPRET=0, so the
+Triton kernels run compiled). CRF_KERNEL_TEST_DEVICE=cpu runs the same checks on CPU tensors (the cpp
+backend and Triton under the interpreter), which is how this file itself is checked without a GPU.
+
+Tolerances: float32 element-wise ops (GAE, losses) within a few float32 roundings of the float64
+reference; matmul ops (value head, LM-head log-probs) at most 2x the error of PyTorch's own matmul in
+the same dtype on the same device (the flash-attention criterion), plus one rounding step of the output's
+dtype (bf16 gradients) and a float32 floor.
+"""
+import os
+
+import pytest
+import torch
+
+import compactionrl_fast as crf
+from compactionrl_fast import reference as ref
+from compactionrl_fast.ops._dispatch import available
+from tests.utils import SHAPE_TABLE, packed_batch, random_case
+
+DEVICE = torch.device(os.environ.get("CRF_KERNEL_TEST_DEVICE", "cuda"))
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (benchmarks/gpu_check.sh runs it on a lent one)", allow_module_level=True)
+
+BACKENDS = [b for b in available(DEVICE) if b != "torch"]
+CASES = {k: SHAPE_TABLE[k] for k in ("single_token", "empty_segments", "no_trainable", "long_multiblock",
+                                     "four_segments")}
+CASES["random"] = random_case(11, n_rollouts=8, max_len=3000)
+
+
+def _batch(case, index_dtype=torch.int32):
+    return packed_batch(CASES[case], seed=len(case), index_dtype=index_dtype, device=DEVICE)
+
+
+def _cpu(b):
+    return {k: v.cpu() for k, v in b.items()}
+
+
+def _leaf(x, device=DEVICE):
+    """A fresh leaf copy of `x` on `device` that requires grad (never `x` itself, also when on CPU)."""
+    return x.detach().to(device, copy=True).requires_grad_()
+
+
+def test_some_backend_runs_on_the_device():
+    assert BACKENDS, f"no kernel backend available for {DEVICE} tensors: {available(DEVICE)}"
+
+
+# ---------------------------------------------------------------- segment_gae
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", ["paper", "none", "stitched"])
+def test_segment_gae(backend, case, mode):
+    for index_dtype, kw in [(torch.int32, dict(cross_segment=mode)),  # the paper's defaults
+                            (torch.int64, dict(gamma=0.99, lam=0.95, cross_segment=mode, lam_critic=None)),
+                            (torch.int32, dict(gamma=0.97, lam="adaptive", adaptive_length="segment",
+                                               cross_segment=mode, lam_critic=0.9))]:
+        b = _batch(case, index_dtype)
+        adv, ret = crf.segment_gae(**b, backend=backend, **kw)
+        assert adv.device.type == DEVICE.type and adv.dtype == torch.float32
+        ra, rr = ref.segment_gae(**_cpu(b), **kw)
+        assert ((adv.cpu().double() - ra).abs() / (1 + ra.abs())).max() < 2e-6, kw
+        assert ((ret.cpu().double() - rr).abs() / (1 + rr.abs())).max() < 2e-6, kw
+
+
+# ---------------------------------------------------------------- ppo_policy_loss and value_loss
+
+
+def _loss_inputs(b, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = b["loss_mask"].numel()
+    old = torch.randn(T, generator=g) - 1.0
+    new = old + 0.3 * torch.randn(T, generator=g)
+    adv = torch.randn(T, generator=g)
+    roll = old + 0.2 * torch.randn(T, generator=g)
+    return old, new, adv, roll
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("reduction", ["token-mean", "segment-mean", "rollout-mean", "sum"])
+def test_ppo_policy_loss(backend, case, reduction):
+    b = _batch(case)
+    old, new, adv, roll = _loss_inputs(b)
+    layout = dict(cu_seqlens=b["cu_seqlens"], cu_segments=b["cu_segments"], reduction=reduction)
+    for kw in (dict(), dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0), dict(tis_cap=2.0)):
+        x = dict(kw)
+        if "tis_cap" in x:
+            x["rollout_logprobs"] = roll
+        lp = _leaf(new)
+        loss, m = crf.ppo_policy_loss(lp, old.to(DEVICE), adv.to(DEVICE), b["loss_mask"], backend=backend,
+                                      **{k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in x.items()}, **layout)
+        loss.backward()
+        lp64 = _leaf(new.double(), 'cpu')
+        rl, rm = ref.ppo_policy_loss(lp64, old, adv, b["loss_mask"].cpu(), **x,
+                                     **{k: v.cpu() if torch.is_tensor(v) else v for k, v in layout.items()})
+        rl.backward()
+        scale = 1.0 + rl.abs().item()
+        assert abs(loss.item() - rl.item()) <= 1e-5 * scale, kw
+        torch.testing.assert_close(lp.grad.cpu().double(), lp64.grad, rtol=1e-5, atol=1e-7 * scale)
+        for k in rm:
+            torch.testing.assert_close(m[k].cpu().double(), rm[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("clip", [None, 0.2])
+def test_value_loss(backend, case, clip):
+    b = _batch(case)
+    old, new, ret, _ = _loss_inputs(b, seed=1)
+    for reduction in ("token-mean", "segment-mean"):
+        v = _leaf(new)
+        loss, m = crf.value_loss(v, old.to(DEVICE), ret.to(DEVICE), b["loss_mask"], clip=clip,
+                                 cu_seqlens=b["cu_seqlens"], reduction=reduction, backend=backend)
+        loss.backward()
+        v64 = _leaf(new.double(), 'cpu')
+        rl, rm = ref.value_loss(v64, old, ret, b["loss_mask"].cpu(), clip=clip, cu_seqlens=b["cu_seqlens"].cpu(),
+                                reduction=reduction)
+        rl.backward()
+        torch.testing.assert_close(loss.cpu().double(), rl.detach(), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(v.grad.cpu().double(), v64.grad, rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(m["clip_fraction"].cpu().double(), rm["clip_fraction"], rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- matmul ops: 2x PyTorch's own error
+
+
+def _max_err(x, ref64):
+    return (x.detach().cpu().double() - ref64.detach()).abs().max().item()
+
+
+def _within_2x_torch(name, ours, torch_same_dtype, ref64, floor):
+    """max |ours - ref| <= 2 max |torch - ref| + floor + one unit of rounding of `ours`' dtype at the largest
+    reference value (outputs returned in bf16 differ from PyTorch's by a rounding step at most)."""
+    e_ours, e_torch = _max_err(ours, ref64), _max_err(torch_same_dtype, ref64)
+    ulp = torch.finfo(ours.dtype).eps * ref64.detach().abs().max().item()
+    assert e_ours <= 2 * e_torch + floor + ulp, f"{name}: error {e_ours:.3g} vs PyTorch {e_torch:.3g}"
+
+
+VH_BACKENDS = [b for b in available(DEVICE) if b == "triton"] or ["torch"]
+
+
+@pytest.mark.parametrize("backend", VH_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H", [(1, 64), (1000, 96), (4097, 1024)])
+def test_value_head(backend, dtype, T, H):
+    if dtype == torch.bfloat16 and DEVICE.type == "cpu" and backend == "triton":
+        pytest.skip("the Triton interpreter's bf16 arithmetic is not the GPU's")
+    g = torch.Generator().manual_seed(T)
+    h = torch.randn(T, H, generator=g).to(dtype)
+    w = (torch.randn(H, generator=g) / H ** 0.5).to(dtype)
+    bias = torch.tensor(0.25, dtype=dtype)
+    hd, wd, bd = (_leaf(x) for x in (h, w, bias))
+    out = crf.value_head(hd, wd, bd, backend=backend)
+    upstream = torch.randn(T, generator=g)
+    out.backward(upstream.to(DEVICE))
+    h64, w64, b64 = (_leaf(x.double(), 'cpu') for x in (h, w, bias))
+    r = ref.value_head(h64, w64, b64)
+    r.backward(upstream.double())
+    ht, wt, bt = (_leaf(x) for x in (h, w, bias))
+    torch_out = ht @ wt + bt  # PyTorch in the same dtype
+    torch_out.backward(upstream.to(DEVICE, dtype))
+    floor = 1e-6 * (1 + r.abs().max().item())
+    _within_2x_torch("values", out, torch_out, r, floor)
+    _within_2x_torch("d hidden", hd.grad, ht.grad, h64.grad, 1e-6)
+    _within_2x_torch("d weight", wd.grad, wt.grad, w64.grad, 1e-6 * (1 + w64.grad.abs().max().item()))
+
+
+LL_BACKENDS = [b for b in available(DEVICE) if b == "triton"] + ["torch"]
+
+
+@pytest.mark.parametrize("backend", LL_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,V,chunk", [(1, 96, 1000, None), (63, 96, 1000, 16), (1000, 128, 4099, 300)])
+def test_linear_logprobs(backend, dtype, T, H, V, chunk):
+    if dtype == torch.bfloat16 and DEVICE.type == "cpu" and backend == "triton":
+        pytest.skip("the Triton interpreter's bf16 tl.dot is not the GPU's")
+    g = torch.Generator().manual_seed(V + T)
+    h = torch.randn(T, H, generator=g).to(dtype)
+    W = (torch.randn(V, H, generator=g) / H ** 0.5).to(dtype)
+    y = torch.randint(0, V, (T,), generator=g)
+    y[0] = V - 1
+    temp = 0.7
+    up_lp, up_ent = torch.randn(T, generator=g), torch.randn(T, generator=g)
+    hd, Wd = (_leaf(x) for x in (h, W))
+    lp, ent = crf.linear_logprobs(hd, Wd, y.to(DEVICE), temperature=temp, chunk_size=chunk, return_entropy=True,
+                                  backend=backend)
+    torch.autograd.backward([lp, ent], [up_lp.to(DEVICE), up_ent.to(DEVICE)])
+    h64, W64 = (_leaf(x.double(), 'cpu') for x in (h, W))
+    rlp, rent = ref.linear_logprobs(h64, W64, y, temperature=temp, return_entropy=True)
+    torch.autograd.backward([rlp, rent], [up_lp.double(), up_ent.double()])
+    ht, Wt = (_leaf(x) for x in (h, W))
+    logp_all = torch.log_softmax((ht @ Wt.T).float() / temp, -1)  # PyTorch's naive composition, same dtype
+    tlp = logp_all[torch.arange(T, device=DEVICE), y.to(DEVICE)]
+    tent = -(logp_all.exp() * logp_all).sum(-1)
+    torch.autograd.backward([tlp, tent], [up_lp.to(DEVICE), up_ent.to(DEVICE)])
+    _within_2x_torch("logprobs", lp, tlp, rlp, 2e-6)
+    _within_2x_torch("entropy", ent, tent, rent, 2e-6)
+    _within_2x_torch("d hidden", hd.grad, ht.grad, h64.grad, 2e-6)
+    _within_2x_torch("d weight", Wd.grad, Wt.grad, W64.grad, 2e-6)

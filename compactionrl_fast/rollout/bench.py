@@ -1,6 +1,6 @@
 """Rollout throughput of an engine on the built-in memory task (DEMO-NOTES-sized model by default).
 
-    python -m compactionrl_fast.rollout.bench --batch 64 --repeats 5
+    python -m compactionrl_fast.rollout.bench --threads 1 --expert-warmup 300 --repeats 5
 
 Prints rollouts/s and tokens/s (generated tokens, and packed tokens without / with prefix sharing) as
 JSON. A random model writes long, junk responses; --expert-warmup N first fits the model to N steps of
@@ -57,6 +57,7 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--load", default=None, help="state_dict file to load into the model (e.g. a SFT checkpoint)")
     ap.add_argument("--no-prefix-cache", action="store_true")
+    ap.add_argument("--no-lean", action="store_true", help="use the model's own forward (DynamicCache)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -66,7 +67,8 @@ def main(argv=None):
         model.load_state_dict(torch.load(args.load))
     if args.expert_warmup:
         _sft(model, args.expert_warmup, 16)
-    eng = TransformersEngine(model, pad_token_id=tok.pad_token_id, prefix_cache=not args.no_prefix_cache)
+    eng = TransformersEngine(model, pad_token_id=tok.pad_token_id, prefix_cache=not args.no_prefix_cache,
+                             lean=not args.no_lean)
     cfg = memory_config(temperature=args.temperature)
     times, cpu, gen_tokens, packed, shared, compactions, success = [], [], [], [], [], [], []
     for rep in range(args.repeats + 1):
@@ -85,7 +87,7 @@ def main(argv=None):
         compactions.append(sum(r.compactions for r in ros) / len(ros))
     t = statistics.median(times)
     print(json.dumps({
-        "engine": "transformers", "prefix_cache": not args.no_prefix_cache, "batch": args.batch, "threads": torch.get_num_threads(),
+        "engine": "transformers", "prefix_cache": not args.no_prefix_cache, "lean": eng.lean, "batch": args.batch, "threads": torch.get_num_threads(),
         "params": sum(p.numel() for p in model.parameters()), "expert_warmup": args.expert_warmup,
         "seconds_per_batch_median": round(t, 4), "cpu_seconds_per_batch_median": round(statistics.median(cpu), 4),
         "rollouts_per_s": round(args.batch / t, 1),

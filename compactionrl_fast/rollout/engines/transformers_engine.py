@@ -73,7 +73,8 @@ class TransformersEngine(Engine):
         model: the causal LM (already on its device).
         pad_token_id: id fed in padded positions (never attended to).
         max_batch_size: prompts are processed in chunks of at most this many rows (None: all at once).
-        prefix_cache: keep per-key KV between calls (see the module docstring).
+        prefix_cache: keep per-key KV between calls (see the module docstring); the last call's KV stays
+            in memory until the next call, `clear_cache()` or `sleep()`.
         lean: use the lean Llama-style forward (engines/lean_decoder.py) when the model supports it
             (default); False always uses the model's own forward with a DynamicCache.
 

@@ -74,7 +74,7 @@ def calibration_deciles(pred, target, bins: int = 10):
     if pred.numel() < bins:
         return [], []
     order = pred.double().argsort()
-    chunks = order.chunk(bins)
+    chunks = torch.tensor_split(order, bins)
     return ([float(pred.double()[c].mean()) for c in chunks], [float(target.double()[c].mean()) for c in chunks])
 
 

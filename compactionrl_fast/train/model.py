@@ -95,8 +95,11 @@ def decoder(model) -> nn.Module:
 # packed forward
 
 
-def packed_hidden(model, input_ids, position_ids, cu_attn):
+def packed_hidden(model, input_ids, position_ids, cu_attn, *, pad_ratio=0.8):
     """Last hidden states [T, H] of the decoder of `model` (actor or critic) over packed sequences.
+
+    On the padded path, sequences are sorted by length and run in buckets padded to their longest
+    (at most 1 - pad_ratio of a bucket is padding; one call when lengths are alike).
 
     Args:
         input_ids: [T] int64; position_ids: [T] int64 (0 at the start of each attention sequence);
@@ -109,17 +112,43 @@ def packed_hidden(model, input_ids, position_ids, cu_attn):
         out = dec(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
         return out.last_hidden_state[0]
     lens = cu_attn.diff().long()
-    keep = lens > 0  # empty sequences would give fully masked rows
-    starts, lens = cu_attn[:-1].long()[keep], lens[keep]
-    A, L = lens.numel(), int(lens.max()) if lens.numel() else 0
-    seq = torch.repeat_interleave(torch.arange(A, device=input_ids.device), lens, output_size=T)
-    col = torch.arange(T, device=input_ids.device) - starts[seq]
-    ids = input_ids.new_zeros(A, L).index_put_((seq, col), input_ids)
-    pos = position_ids.new_zeros(A, L).index_put_((seq, col), position_ids)
-    mask = torch.zeros(A, L, dtype=torch.long, device=input_ids.device).index_put_(
-        (seq, col), torch.ones_like(col))
+    order = torch.argsort(lens, descending=True, stable=True)
+    order = order[lens[order] > 0]  # empty sequences would give fully masked rows
+    hidden = None
+    for rows in _buckets(lens[order].tolist(), pad_ratio):
+        sel = order[rows[0]:rows[1]]
+        h, tok = _padded_forward(dec, input_ids, position_ids, cu_attn[:-1].long()[sel], lens[sel])
+        if hidden is None:
+            hidden = h.new_zeros(T, h.shape[-1])
+        hidden = hidden.index_copy(0, tok, h)
+    return hidden if hidden is not None else input_ids.new_zeros(T, dec.config.hidden_size, dtype=torch.float32)
+
+
+def _buckets(lens_desc, ratio):
+    """Row ranges of sequences sorted by length (descending), a new range whenever a sequence is shorter
+    than `ratio` x the range's longest: bounds the padding at 1 - ratio per call."""
+    out, start = [], 0
+    for i, n in enumerate(lens_desc):
+        if n < ratio * lens_desc[start]:
+            out.append((start, i))
+            start = i
+    if lens_desc:
+        out.append((start, len(lens_desc)))
+    return out
+
+
+def _padded_forward(dec, input_ids, position_ids, starts, lens):
+    """Decoder over sequences (starts, lens) padded to [A, Lmax]; returns (hidden [n, H], token positions [n])."""
+    dev = input_ids.device
+    A, L, n = lens.numel(), int(lens.max()), int(lens.sum())
+    seq = torch.repeat_interleave(torch.arange(A, device=dev), lens, output_size=n)
+    col = torch.arange(n, device=dev) - (torch.cumsum(lens, 0) - lens)[seq]
+    tok = starts[seq] + col
+    ids = input_ids.new_zeros(A, L).index_put_((seq, col), input_ids[tok])
+    pos = position_ids.new_zeros(A, L).index_put_((seq, col), position_ids[tok])
+    mask = torch.zeros(A, L, dtype=torch.long, device=dev).index_put_((seq, col), torch.ones_like(col))
     out = dec(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
-    return out.last_hidden_state[seq, col]
+    return out.last_hidden_state[seq, col], tok
 
 
 def action_index(loss_mask, cu_attn):

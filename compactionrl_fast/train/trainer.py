@@ -52,7 +52,11 @@ def all_reduce_grads(params, group=None) -> None:
     """Sum gradients over ranks in one flat buffer (the losses already carry the global denominator)."""
     if world()[1] == 1:
         return
-    grads = [p.grad for p in params if p.grad is not None]
+    params = list(params)
+    for p in params:  # a parameter unused on one rank must still join the same flat buffer
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -157,8 +161,9 @@ def advantages(batch, values, cfg: TrainConfig):
 
 
 def _optim_step(params, opt, max_norm, group):
-    params = [p for p in params if p.grad is not None]
+    params = list(params)
     all_reduce_grads(params, group)
+    params = [p for p in params if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf")) if params else torch.zeros(())
     opt.step()
     return float(norm)
@@ -226,10 +231,11 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
             stats = diagnostics.batch_diagnostics(b, adv[i], values, ret[i], cfg)
             if gap:
                 stats.update(diagnostics.advantage_gap(b, values, cfg))
-            lists = {k: v for k, v in stats.items() if isinstance(v, list)}
-            d.add({k: v for k, v in stats.items() if not isinstance(v, list) and v is not None}, idx[i].numel())
-            if i == 0:
-                out.update(lists)  # histograms and deciles of the first micro-batch
+            scalars = {k: v for k, v in stats.items() if not isinstance(v, list)}
+            d.add(scalars, idx[i].numel())
+            if i == 0:  # histograms and deciles of the first micro-batch; undefined scalars stay None
+                out.update({k: v for k, v in stats.items() if isinstance(v, list)})
+                out.update(dict.fromkeys(scalars))
         out.update(d.result())
     return out
 

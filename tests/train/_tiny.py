@@ -50,7 +50,21 @@ def tiny_rollouts(n, seed=0, drop_oldest_p=0.5, n_digits=3, n_fillers=4):
     from compactionrl_fast.envs.memory import MemoryEnv, ScriptedExpert, memory_config, memory_tokenizer
     from compactionrl_fast.rollout.loop import run_rollouts
 
-    cfg = memory_config(budget=64, compact_threshold=20)
+    cfg = memory_config(budget=64, compact_threshold=20, max_response_tokens=6, summary_max_tokens=6)
     envs = [MemoryEnv(n_digits=n_digits, n_fillers=n_fillers) for _ in range(n)]
     return run_rollouts(ScriptedExpert(drop_oldest_p, seed=seed), envs, memory_tokenizer(), cfg,
                         seeds=[seed * 1000 + i for i in range(n)])
+
+
+def tiny_train_config(run_dir, **kw):
+    """A TrainConfig for seconds-long loops: tiny model, 3-digit task with budget 64 (two compactions)."""
+    from compactionrl_fast.train.config import SFTConfig, TrainConfig
+
+    base = dict(run_dir=str(run_dir), rollouts_per_step=4, value_pretrain_steps=1, steps=2, actor_lr=1e-3,
+                critic_lr=1e-3, gap_every=1, checkpoint_every=0, progress=False, threads=0, eval_rollouts=8,
+                model=ModelConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_positions=128),
+                sft=SFTConfig(steps=2, segments_per_step=10, warmup_steps=1),
+                env=dict(n_digits=3, n_fillers=4),
+                rollout=dict(budget=64, compact_threshold=20, max_response_tokens=6, summary_max_tokens=6))
+    base.update(kw)
+    return TrainConfig(**base)

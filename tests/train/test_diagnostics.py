@@ -1,0 +1,67 @@
+"""Diagnostics against hand counts, the reference GAE helpers and segment_gae itself."""
+import math
+
+import torch
+
+from compactionrl_fast import segment_gae
+from compactionrl_fast.reference.gae import power, segment_lambdas
+from compactionrl_fast.train import diagnostics as D
+from compactionrl_fast.train.config import TrainConfig
+
+from ._tiny import hand_batch
+
+
+def test_segment_ids_and_summary_index():
+    b = hand_batch(rollouts=((9, 5, 6, 4, 3), (12,), (7, 4)))
+    seg, roll, n = D.segment_ids(b)
+    assert roll.tolist() == [0, 0, 0, 0, 0, 1, 2, 2]
+    assert n.tolist() == [int(b.loss_mask[a:c].sum()) for a, c in zip(b.cu_seqlens[:-1], b.cu_seqlens[1:])]
+    assert D.summary_index(b, roll).tolist() == [0, 1, 0, 2, 0, 0, 0, 1]
+
+
+def test_cross_segment_factors_match_the_reference_definition():
+    b = hand_batch(rollouts=((9, 5, 6, 4, 3), (12,), (7, 4)))
+    _, roll, n = D.segment_ids(b)
+    for lam, length in (("adaptive", "rollout"), ("adaptive", "segment"), (0.9, "rollout")):
+        cfg = TrainConfig(lam=lam, adaptive_length=length, gamma=0.99)
+        lams = segment_lambdas(lam, b.loss_mask, b.cu_seqlens, b.cu_segments, 1.5, length)
+        cs = b.cu_segments.tolist()
+        ref = []
+        for r in range(len(cs) - 1):
+            for s in range(cs[r], cs[r + 1]):
+                ref.append(power(0.99 * lams[s], int(n[s + 1:cs[r + 1]].sum())))
+        torch.testing.assert_close(D.cross_segment_factors(b, cfg), torch.tensor(ref, dtype=torch.float64))
+    assert bool((D.cross_segment_factors(b, TrainConfig(cross_segment="none")) == 1).all())
+
+
+def test_batch_diagnostics_counts_and_calibration():
+    b = hand_batch(rollouts=((9, 5, 6), (12,)))
+    _, _, n = D.segment_ids(b)
+    ret = torch.randn(b.loss_mask.numel())
+    out = D.batch_diagnostics(b, torch.randn_like(ret), ret.clone(), ret, TrainConfig())
+    assert out["tokens_summary_per_rollout"] == float(n[1]) / 2
+    assert out["tokens_exec_per_rollout"] == float(n[0] + n[2] + n[3]) / 2
+    assert out["compactions_per_rollout"] == 0.5 and out["summary_length"] == float(n[1])
+    assert out["value_explained_variance"] == 1.0  # perfect predictions
+    assert out["value_decile_pred"] == out["value_decile_real"] and len(out["value_decile_pred"]) == 10
+    assert sum(out["segment_factor_hist"]) == int((n > 0).sum())
+
+
+def test_advantage_gap_is_zero_without_compaction_and_not_with_it():
+    single = hand_batch(rollouts=((12,), (9,)))
+    v = torch.randn(single.loss_mask.numel())
+    assert D.advantage_gap(single, v, TrainConfig())["gap_abs_mean"] < 1e-6
+    multi = hand_batch(rollouts=((9, 5, 6), (12, 7)))
+    v = torch.randn(multi.loss_mask.numel())
+    g = D.advantage_gap(multi, v, TrainConfig())
+    assert g["gap_abs_mean"] > 1e-3 and math.isfinite(g["gap_corr"])
+    # the gap is computed from segment_gae itself
+    from compactionrl_fast import place_final_rewards
+
+    a = segment_gae(place_final_rewards(multi.rollout_rewards, multi.loss_mask, multi.cu_seqlens, multi.cu_segments),
+                    v, multi.loss_mask, multi.cu_seqlens, multi.cu_segments)[0]
+    s = segment_gae(place_final_rewards(multi.rollout_rewards, multi.loss_mask, multi.cu_seqlens, multi.cu_segments,
+                                        mode="stitched"),
+                    v, multi.loss_mask, multi.cu_seqlens, multi.cu_segments, cross_segment="stitched")[0]
+    m = multi.loss_mask
+    assert abs(g["gap_abs_mean"] - float((a - s)[m].abs().mean())) < 1e-6

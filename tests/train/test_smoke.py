@@ -1,0 +1,50 @@
+"""The whole loop for a few steps through the command line: train (SFT -> value pre-training -> PPO),
+plot, and the demo's protocol on a tiny budget (results files, table, targets)."""
+import json
+import os
+
+from compactionrl_fast import cli, demo
+
+from ._tiny import tiny_train_config
+
+TINY = ["--set", "model.hidden_size=16", "--set", "model.num_layers=1", "--set", "model.num_heads=2",
+        "--set", "model.intermediate_size=32", "--set", "sft.steps=2", "--set", "sft.segments_per_step=10",
+        "--set", "env.n_digits=3", "--set", "env.n_fillers=4", "--set", "rollout.budget=64",
+        "--set", "rollout.compact_threshold=20", "--set", "rollout.max_response_tokens=6",
+        "--set", "rollout.summary_max_tokens=6", "--rollouts-per-step", "4", "--value-pretrain-steps", "1",
+        "--steps", "2", "--gap-every", "2", "--threads", "0", "--progress", "false"]
+
+
+def test_train_and_plot_commands(tmp_path):
+    run = str(tmp_path / "run")
+    assert cli.main(["train", "--run-dir", run, *TINY]) == 0
+    rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["phase"] for r in rows] == ["value_pretrain", "ppo", "ppo"]
+    for key in ("reward", "success", "compactions", "summary_tokens", "critic/value_loss", "value_explained_variance",
+                "segment_factor_hist", "adv_summary1_mean", "tokens_summary_per_rollout", "time/rollout_s"):
+        assert key in rows[-1], key
+    for key in ("actor/policy_loss", "actor/clip_fraction", "actor/approx_kl", "actor/entropy"):
+        assert key in rows[1], key
+    assert "gap_abs_mean" in rows[0] and "gap_abs_mean" not in rows[1]  # every gap_every steps
+    assert os.path.isfile(os.path.join(run, "checkpoint.pt"))
+    assert os.path.isfile(os.path.join(run, "actor", "config.json"))
+    assert os.path.isfile(os.path.join(run, "sft", "metrics.jsonl"))
+    assert cli.main(["plot", run]) == 0
+    assert {"reward.png", "losses.png", "distributions.png"} <= set(os.listdir(os.path.join(run, "plots")))
+    # a finished run resumes to a no-op
+    assert cli.main(["train", "--run-dir", run, *TINY]) == 0
+    assert len(open(os.path.join(run, "metrics.jsonl")).readlines()) == 3
+
+
+def test_demo_protocol_writes_results(tmp_path):
+    cfg = tiny_train_config(tmp_path / "runs")
+    res = demo.run(cfg, seeds=[0], ablation_seeds=[0], eval_rollouts=8, out_dir=str(tmp_path / "res"), name="d",
+                   argv=["demo", "--tiny"])
+    for ext in ("json", "md", "png"):
+        assert os.path.isfile(tmp_path / "res" / f"d.{ext}")
+    r = res["runs"]["0"]
+    for k in ("sft", "full", "ablation"):
+        assert set(r[k]) == {"sampled", "greedy"} and 0.0 <= r[k]["sampled"]["success"] <= 1.0
+    assert set(res["summary"]["targets"]) == {"sft_greedy_le_0.1", "full_ge_0.9_every_seed", "ablation_ge_0.3_below"}
+    assert "| 0 | CompactionRL |" in open(tmp_path / "res" / "d.md").read()

@@ -100,7 +100,7 @@ def _unit_counts(loss_mask, cu_seqlens, cu_segments, reduction):
     Without cu_seqlens the batch is one segment; without cu_segments each segment is its own rollout.
     """
     if cu_seqlens is None:
-        n = loss_mask.sum().reshape(1)
+        n = torch.count_nonzero(loss_mask).reshape(1)  # mask.sum() would make an int64 [T] copy
         return n, (n if reduction == "token-mean" else (n > 0).long()).sum()
     n = segment_counts(loss_mask, cu_seqlens)
     if reduction == "token-mean":

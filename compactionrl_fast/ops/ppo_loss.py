@@ -38,12 +38,16 @@ def _fake(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_se
 
 
 def _setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # no zero [T] gradient for the unused `grad` output
     ctx.save_for_backward(output[2])
 
 
 def _backward(ctx, d_loss, d_metrics, d_grad):
+    # In place: the saved buffer becomes the input's gradient, so fwd+bwd allocate one [T] buffer in all.
+    # A second backward through the same graph (retain_graph=True) then fails loudly on the saved
+    # tensor's version counter instead of computing a wrong gradient.
     (grad,) = ctx.saved_tensors
-    return (grad * d_loss,) + (None,) * 11
+    return (grad.mul_(d_loss),) + (None,) * 11
 
 
 @torch.library.custom_op("compactionrl_fast::ppo_policy_loss_triton", mutates_args=())
@@ -144,4 +148,4 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, cu_seqlens
                           None if cu_seqlens is None else cu_seqlens.contiguous(), seg_scale, clip_low, clip_high,
                           NO_DUAL_CLIP if dual_clip is None else float(dual_clip), INF if tis_cap is None else float(tis_cap),
                           need_grad)
-    return loss, dict(zip(METRICS, metrics.unbind(0)))
+    return loss, dict(zip(METRICS, metrics.detach().unbind(0)))

@@ -1,15 +1,17 @@
 """`value_head` and `value_head_loss`: the critic's scalar head over packed hidden states, and the head
 followed by the value loss (SPEC section 4).
 
-Backends: "triton" (kernels/value_head.py) and "torch" (CPU: a matmul, in row chunks for bf16/fp16 so
-that no float32 copy of `hidden` exists). Both accumulate in float32 and return float32 values. The
-backward reads `hidden` once for d_weight (d_hidden needs only the gradient and the weight), so the head
-plus loss reads `hidden` once forward and once backward.
+Backends: "triton" (kernels/value_head.py), "cpp" (csrc/cpu/value_head.cpp: row dot products, the
+backward in one pass over `hidden`) and "torch" (matmuls, in row chunks for bf16/fp16 so that no float32
+copy of `hidden` exists). All accumulate in float32, return float32 values and reduce d_weight in a fixed
+order. The backward reads `hidden` once (for d_weight; d_hidden needs only the gradient and the weight),
+so the head plus loss reads `hidden` once forward and once backward.
 """
 from __future__ import annotations
 
 import torch
 
+from . import _dispatch
 from ._reduction import resolve_backend
 from ._validate import check_tensor
 from .value_loss import value_loss
@@ -52,6 +54,16 @@ def _torch_bwd(hidden, w32, g, need_dh, need_dw):
     return dh, dw
 
 
+if _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "value_head_fwd"):
+    @torch.library.register_fake("compactionrl_fast::value_head_fwd")
+    def _fwd_fake(hidden, weight, bias):
+        return weight.new_empty(hidden.shape[0])
+
+    @torch.library.register_fake("compactionrl_fast::value_head_bwd")
+    def _bwd_fake(hidden, weight, grad, need_dh, need_dw):
+        return (hidden.new_empty(hidden.shape if need_dh else (0,)), weight.new_empty(weight.shape if need_dw else (0,)))
+
+
 class _ValueHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, backend):
@@ -61,6 +73,8 @@ class _ValueHead(torch.autograd.Function):
             from ..kernels.value_head import value_head_fwd
 
             out = value_head_fwd(hidden, w32, b32)
+        elif backend == "cpp":
+            out = torch.ops.compactionrl_fast.value_head_fwd(hidden, w32, b32)
         else:
             out = _torch_fwd(hidden, w32, b32)
         ctx.save_for_backward(hidden, w32)
@@ -78,6 +92,9 @@ class _ValueHead(torch.autograd.Function):
             from ..kernels.value_head import value_head_bwd
 
             dh, dw = value_head_bwd(hidden, w32, g, need_dh, need_dw)
+        elif ctx.backend == "cpp":
+            dh, dw = torch.ops.compactionrl_fast.value_head_bwd(hidden, w32, g, need_dh, need_dw)
+            dh, dw = (dh if need_dh else None), (dw if need_dw else None)
         else:
             dh, dw = _torch_bwd(hidden, w32, g, need_dh, need_dw)
         db = g.sum().reshape(ctx.bias_shape) if need_db else None
@@ -101,7 +118,7 @@ def value_head(hidden, weight, bias=None, *, backend="auto"):
 
     Args:
         hidden: [T, H] bf16/fp16/fp32. weight: [H] (or an nn.Linear(H, 1) weight [1, H]).
-        bias: one element or None. backend: "auto" | "triton" | "torch" (auto: torch on CPU).
+        bias: one element or None. backend: "auto" | "triton" | "cpp" | "torch".
 
     Returns:
         values: [T] float32, differentiable in hidden, weight and bias (gradients in their dtypes).
@@ -114,9 +131,9 @@ def value_head(hidden, weight, bias=None, *, backend="auto"):
     """
     weight = _check_head(hidden, weight, bias)
     device = hidden.device
-    b = resolve_backend(backend, device, supported=("auto", "triton", "torch"))
-    if backend == "auto" and device.type == "cpu":
-        b = "torch"  # the interpreter is for tests only; a matmul is the fast CPU path
+    b = resolve_backend(backend, device, supported=("auto", "triton", "cpp", "torch"))
+    if backend == "auto" and device.type == "cpu" and b == "triton":
+        b = "torch"  # without the extension: the interpreter is for tests only
     return _ValueHead.apply(hidden.contiguous(), weight, bias, b)
 
 
@@ -125,11 +142,11 @@ def value_head_loss(hidden, weight, bias, old_values, returns, loss_mask, **valu
 
     `hidden` is read once forward and once backward (for d_weight); the [T] values and their gradient are
     the only intermediates. Gradients flow to hidden, weight and bias. `backend` (in the kwargs) picks the
-    loss backend; the head uses "triton" when that is asked for, else its automatic choice.
+    loss backend and, where the head has it ("triton", "cpp", "torch"), the head's.
 
     Returns:
         (loss float32 [], metrics dict as for `value_loss`).
     """
     backend = value_loss_kwargs.get("backend", "auto")
-    values = value_head(hidden, weight, bias, backend="triton" if backend == "triton" else "auto")
+    values = value_head(hidden, weight, bias, backend=backend if backend in ("triton", "cpp", "torch") else "auto")
     return value_loss(values, old_values, returns, loss_mask, **value_loss_kwargs)

@@ -32,12 +32,16 @@ def _fake(values, old_values, returns, loss_mask, cu_seqlens, seg_scale, clip, n
 
 
 def _setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # no zero [T] gradient for the unused `grad` output
     ctx.save_for_backward(output[2])
 
 
 def _backward(ctx, d_loss, d_metrics, d_grad):
+    # In place: the saved buffer becomes the input's gradient, so fwd+bwd allocate one [T] buffer in all.
+    # A second backward through the same graph (retain_graph=True) then fails loudly on the saved
+    # tensor's version counter instead of computing a wrong gradient.
     (grad,) = ctx.saved_tensors
-    return (grad * d_loss,) + (None,) * 7
+    return (grad.mul_(d_loss),) + (None,) * 7
 
 
 @torch.library.custom_op("compactionrl_fast::value_loss_triton", mutates_args=())
@@ -109,4 +113,4 @@ def value_loss(values, old_values, returns, loss_mask, *, clip=None, cu_seqlens=
     loss, metrics, _ = op(values.float().contiguous(), f32(old_values), f32(returns), loss_mask.contiguous(),
                           None if cu_seqlens is None else cu_seqlens.contiguous(), seg_scale,
                           -1.0 if clip is None else clip, need_grad)
-    return loss, dict(zip(METRICS, metrics.unbind(0)))
+    return loss, dict(zip(METRICS, metrics.detach().unbind(0)))

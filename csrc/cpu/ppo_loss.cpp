@@ -30,11 +30,9 @@ struct Args {
   double* part;    // [n_blocks, kParts]
 };
 
-// Tokens [t0, t1) of one segment with reduction weight w; adds into p.
+// Tokens [t0, t1) (at most kChunk) of one segment with reduction weight w; adds into p.
 template <typename idx_t, bool TIS, bool GRAD>
-CRF_INLINE void ppo_run(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
-  // float accumulators (one lane type, so gcc vectorises the reductions); a run has at most kBlock
-  // tokens, and the runs are added in double
+CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
   const float wf = (float)w;
   float loss = 0.0f, kl = 0.0f, rmax = 0.0f;
   int32_t n = 0, nc = 0, nd = 0;
@@ -64,6 +62,12 @@ CRF_INLINE void ppo_run(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, 
   p[kDual] += nd;
   p[kKl] += kl;
   p[kRatioMax] = std::max(p[kRatioMax], (double)rmax);
+}
+
+template <typename idx_t, bool TIS, bool GRAD>
+CRF_INLINE void ppo_run(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
+  for (int64_t c = t0; c < t1; c += crf::kChunk)
+    ppo_chunk<idx_t, TIS, GRAD>(a, c, std::min(t1, c + crf::kChunk), w, p);
 }
 
 // Blocks [b0, b1): each block's tokens, cut at segment boundaries.

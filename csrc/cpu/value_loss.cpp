@@ -31,10 +31,9 @@ struct Args {
   double* part;  // [n_blocks, kParts]
 };
 
+// Tokens [t0, t1) (at most kChunk) of one segment with reduction weight w; adds into p.
 template <typename idx_t, bool CLIP, bool GRAD>
-CRF_INLINE void value_run(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
-  // float accumulators (one lane type, so gcc vectorises the reductions); a run has at most kBlock
-  // tokens, and the runs are added in double
+CRF_INLINE void value_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
   const float wf = (float)w;
   float loss = 0.0f, sv = 0.0f, sr = 0.0f;
   int32_t n = 0, nc = 0;
@@ -54,6 +53,12 @@ CRF_INLINE void value_run(const Args<idx_t>& a, int64_t t0, int64_t t1, double w
   p[kClipped] += nc;
   p[kSumV] += sv;
   p[kSumR] += sr;
+}
+
+template <typename idx_t, bool CLIP, bool GRAD>
+CRF_INLINE void value_run(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
+  for (int64_t c = t0; c < t1; c += crf::kChunk)
+    value_chunk<idx_t, CLIP, GRAD>(a, c, std::min(t1, c + crf::kChunk), w, p);
 }
 
 template <typename idx_t, bool CLIP, bool GRAD>

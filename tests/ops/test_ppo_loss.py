@@ -230,6 +230,19 @@ def test_grad_flows_to_logprobs_only_and_scales_with_grad_output(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_second_backward_through_the_graph_fails_loudly(backend):
+    """The backward scales the saved gradient buffer in place (one [T] buffer in all); a second backward
+    with retain_graph=True must raise, not return a wrong gradient."""
+    b = packed_batch(SHAPE_TABLE["odd_lengths"], seed=1)
+    x = policy_inputs(b["loss_mask"].numel(), seed=1)
+    lp = x["logprobs"].clone().requires_grad_()
+    loss, _ = crf.ppo_policy_loss(lp, x["old_logprobs"], x["advantages"], b["loss_mask"], backend=backend)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_no_grad_and_half_precision_inputs(backend):
     b = packed_batch(SHAPE_TABLE["odd_lengths"], seed=1)
     x = policy_inputs(b["loss_mask"].numel(), seed=1)

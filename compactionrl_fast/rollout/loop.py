@@ -53,6 +53,8 @@ class _State:
     def finish(self, reason, reward, error=None):
         self.close_window()
         self.out.finish_reason, self.out.reward, self.out.error = reason, float(reward), error
+        for s in self.out.segments:
+            s.reward = self.out.reward
         self.phase = "finished"
 
 

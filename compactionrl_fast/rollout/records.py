@@ -21,12 +21,14 @@ class Segment:
     logprobs: [L] the sampler's log-prob of each sampled token, 0.0 elsewhere.
     shared_prefix: for a summary, how many leading tokens equal the preceding execution segment's
         input_ids (the window the summary was written from); 0 for execution segments.
+    reward: the rollout's final reward (every segment carries it; set when the rollout ends).
     """
     kind: str
     input_ids: list
     loss_mask: list
     logprobs: list
     shared_prefix: int = 0
+    reward: float = 0.0
 
     def __len__(self):
         return len(self.input_ids)

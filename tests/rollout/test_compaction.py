@@ -63,6 +63,7 @@ def test_trigger_and_rebuild_match_the_rules(name):
     ro = run_rollouts(eng, [ListEnv([obs_text(n) for n in obs_lens])], TOK, cfg)[0]
     after, ks, windows = simulate(obs_lens, cfg)
     assert ro.finish_reason == "done" and ro.reward == 1.0
+    assert all(s.reward == 1.0 for s in ro.segments)
     assert ro.compactions == len(after)
     # the window index of every turn says after which turns compaction happened
     got_after = [i for i in range(len(ro.turns) - 1) if ro.turns[i + 1].window != ro.turns[i].window]
@@ -101,7 +102,7 @@ def test_compaction_cap_then_truncated_when_full():
     obs = [obs_text(15)] * 30
     ro = run_rollouts(FixedEngine(TOK), [ListEnv(obs)], TOK, cfg)[0]
     assert ro.compactions == 1 and ro.finish_reason == "context_full" and ro.truncated
-    assert ro.reward == -1.0
+    assert ro.reward == -1.0 and all(s.reward == -1.0 for s in ro.segments)
     assert all(len(s) <= cfg.budget for s in ro.segments if s.kind == "exec")
     last = ro.segments[-1]
     assert len(last) > cfg.budget - 20  # it ran until the budget was used up

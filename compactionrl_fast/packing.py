@@ -117,7 +117,7 @@ def pack(rollouts, *, prefix_sharing: bool = False, reward_mode: str = "paper", 
             ids.extend(s.input_ids[start:])
             m = [False] * n if off or (s.kind == SUMMARY and not train_summaries) else s.loss_mask[start:]
             mask.extend(m)
-            lps.extend(lp if t else 0.0 for lp, t in zip(s.logprobs[start:], m))
+            lps.extend(s.logprobs[start:])
             cu_seq.append(cu_seq[-1] + n)
             seg_attn.append(len(cu_attn) - 2 if len(cu_attn) > 1 else 0)
             kinds.append(SEGMENT_KINDS[s.kind])
@@ -135,7 +135,7 @@ def pack(rollouts, *, prefix_sharing: bool = False, reward_mode: str = "paper", 
         cu_attn=cu_attn_t, cu_seqlens=cu_seqlens, cu_segments=cu_segments,
         segment_attn=torch.tensor(seg_attn, dtype=torch.int64),
         loss_mask=loss_mask,
-        rollout_logprobs=torch.tensor(lps, dtype=torch.float32),
+        rollout_logprobs=torch.where(loss_mask, torch.tensor(lps, dtype=torch.float32), 0.0),
         rewards=place_final_rewards(rr, loss_mask, cu_seqlens, cu_segments, mode=reward_mode),
         segment_kind=torch.tensor(kinds, dtype=torch.int8),
         rollout_rewards=rr,

@@ -93,6 +93,21 @@ class MemoryEnv:
         return f"{head} {self._fillers()}".strip(), False, 0.0
 
 
+def summary_correct(rollout) -> list:
+    """For each summary of a memory-task rollout: does it list exactly the digits revealed before it, in
+    order ("seen d_1 ... d_m")? A diagnostic of what the summaries carry (DEMO-NOTES' summary accuracy).
+
+    The digits come from the rollout's reset seed (the first draws of the seed's RNG, whatever n_digits).
+    """
+    env = MemoryEnv(n_digits=9)
+    env.reset(rollout.seed)
+    out = []
+    for j, text in enumerate(rollout.summaries):
+        n = sum(1 for t in rollout.turns if t.window <= j and t.observation.startswith("digit "))
+        out.append(text.split() == ["seen"] + [str(d) for d in env.digits[:n]])
+    return out
+
+
 def _messages(words):
     """Split a rendered context (token strings) into (role, content words) messages."""
     msgs = []

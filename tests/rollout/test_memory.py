@@ -3,7 +3,7 @@ tokenizer and chat template."""
 import pytest
 
 from compactionrl_fast.envs import (MemoryEnv, ScriptedExpert, expert_rollouts, memory_config, memory_tokenizer,
-                                    word_tokenizer)
+                                    summary_correct, word_tokenizer)
 from compactionrl_fast.envs.memory import WORDS, expert_knowledge
 from compactionrl_fast.rollout import run_rollouts
 
@@ -44,6 +44,7 @@ def test_expert_solves_it_and_compacts_twice():
     ros = expert_rollouts(16, drop_oldest_p=0.0)
     assert all(r.success and r.compactions == 2 and r.finish_reason == "done" for r in ros)
     assert all(len(r.summaries) == 2 and r.summaries[1].split()[0] == "seen" for r in ros)
+    assert all(summary_correct(r) == [True, True] for r in ros)
     lens = [[len(s) for s in r.segments if s.kind == "exec"] for r in ros]
     assert all(90 <= l[0] <= 115 and 90 <= l[1] <= 120 and 60 <= l[2] <= 90 for l in lens)
 
@@ -52,6 +53,7 @@ def test_expert_systematic_error():
     always = expert_rollouts(16, drop_oldest_p=1.0)
     assert not any(r.success for r in always)
     assert all(len(r.summaries[0].split()) == 1 + 4 - 1 for r in always)  # "seen" + 3 of the 4 digits
+    assert all(summary_correct(r) == [False, False] for r in always)
     some = expert_rollouts(64, drop_oldest_p=0.55, seed=3)
     rate = sum(r.success for r in some) / 64
     assert 0.05 < rate < 0.45  # about (1 - 0.55)^2 = 0.2

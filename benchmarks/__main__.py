@@ -236,8 +236,9 @@ def run_at_revision(rev, child_args, timeout):
         if not os.path.isdir(os.path.join(wt, "benchmarks")):
             raise SystemExit(f"--compare: {rev} has no benchmarks/ folder")
         # installed as compactionrl_fast.kernels by package_dir; from a source tree it must sit inside the package
-        if os.path.isdir(os.path.join(wt, "kernels")) and not os.path.exists(os.path.join(wt, "compactionrl_fast", "kernels")):
-            os.symlink(os.path.join(wt, "kernels"), os.path.join(wt, "compactionrl_fast", "kernels"))
+        link = os.path.join(wt, "compactionrl_fast", "kernels")
+        if os.path.isdir(os.path.join(wt, "kernels")) and not os.path.exists(link):
+            os.symlink(os.path.join(wt, "kernels"), link)
         print(f"--compare: building {rev} in {wt} ...", file=sys.stderr, flush=True)
         build = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=wt,
                                capture_output=True, text=True)
@@ -318,19 +319,20 @@ def main(argv=None):
     shown = table_rows(rows)
     print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | git {env['git']} | {env['date']}")
     if roof:
-        print(f"roofline: copy {roof['copy_gbps']:.1f} GB/s, matmul {roof['matmul']} {roof['matmul_tflops']:.3g} TFLOP/s")
+        print(f"roofline: copy {roof['copy_gbps']:.1f} GB/s, matmul {roof['matmul']} "
+              f"{roof['matmul_tflops']:.3g} TFLOP/s")
     if shown:
         print(H.format_table(shown, used_columns(shown)))
     for name, err in failures.items():
         print(f"FAILED {name}: {err}")
 
-    meta = {"kind": "suite", "command": " ".join(["python -m benchmarks"] + (argv if argv is not None else sys.argv[1:])),
+    given = argv if argv is not None else sys.argv[1:]
+    meta = {"kind": "suite", "command": " ".join(["python -m benchmarks"] + given),
             "env": env, "config": {"size": size, "budget_s": budget, "device": args.device, "device_type":
                                    torch.device(args.device).type, "benches": names, "threads": args.threads},
             "roofline": roof, "durations_s": durations, "failures": failures}
     if args.compare:
-        child = [a for a in (argv if argv is not None else sys.argv[1:])]
-        child = _strip(child, ("--compare", "--json", "--root"), ("--no-charts", "--no-roofline"))
+        child = _strip(given, ("--compare", "--json", "--root"), ("--no-charts", "--no-roofline"))
         base = run_at_revision(args.compare, child, timeout=None)
         cmp_rows = compare_rows(rows, base["rows"])
         base_git = base["rows"][0]["env"].get("git") if base["rows"] else None  # tagged by that tree's harness

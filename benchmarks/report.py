@@ -94,7 +94,8 @@ def render(results, repo):
 
 
 def replace_section(readme_text, body):
-    if readme_text.count(START) != 1 or readme_text.count(END) != 1 or readme_text.index(START) > readme_text.index(END):
+    if readme_text.count(START) != 1 or readme_text.count(END) != 1 or \
+            readme_text.index(START) > readme_text.index(END):
         raise SystemExit(f"the README must hold exactly one {START} ... {END} pair")
     head, rest = readme_text.split(START)
     _, tail = rest.split(END)

@@ -121,6 +121,9 @@ def _loss_reduction(loss_agg_mode, mask, gbi, loss_scale_factor):
     every verl mode is a token-mean, a segment-mean (one segment per row) or a sum, times a constant."""
     dp = int(gbi.get("dp_size", 1) or 1)
     tokens, seqs = gbi.get("batch_num_tokens"), gbi.get("global_batch_size")
+    needed = {"token-mean": ("batch_num_tokens", tokens)}.get(loss_agg_mode, ("global_batch_size", seqs))
+    if dp > 1 and loss_agg_mode != "token-sum" and needed[1] is None:  # as verl's agg_loss
+        raise ValueError(f"global_batch_info[{needed[0]!r}] is required with dp_size > 1 ({loss_agg_mode})")
     if loss_agg_mode == "token-mean":
         return "token-mean", denominator_from(tokens, dp), 1.0
     if loss_agg_mode == "token-sum":

@@ -120,10 +120,13 @@ def test_policy_loss_fully_masked_is_zero():
     assert loss.item() == 0.0 and not g.any() and metrics["actor/pg_clipfrac"] == 0.0
 
 
-def test_policy_loss_bad_mode():
+def test_policy_loss_bad_mode_and_missing_global_counts():
     old, logp, adv, mask = _loss_inputs()
     with pytest.raises(ValueError, match="loss_agg_mode"):
         V.compute_policy_loss_compaction(old, logp, adv, mask, "seq-mean", _actor_config())
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        V.compute_policy_loss_compaction(old, logp, adv, mask, "token-mean",
+                                         _actor_config(global_batch_info={"dp_size": 2}))
 
 
 def test_compute_advantage_on_a_dataproto_like_object():
@@ -227,7 +230,8 @@ def test_compute_advantage_with_real_dataproto(core_algos):
 
 def test_verl_loads_the_adapter_from_its_env_variable(core_algos):
     code = ("import verl.trainer.ppo.core_algos as c; "
-            "print(c.ADV_ESTIMATOR_REGISTRY['compaction_gae'].__module__, c.POLICY_LOSS_REGISTRY['compaction'].__name__)")
+            "print(c.ADV_ESTIMATOR_REGISTRY['compaction_gae'].__module__, "
+            "c.POLICY_LOSS_REGISTRY['compaction'].__name__)")
     env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="compactionrl_fast.integrations.verl")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

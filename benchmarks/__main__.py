@@ -143,22 +143,35 @@ def add_roofline(rows, roof):
 
 
 def ratios(row) -> str:
-    """The script's ratio columns (`x_<baseline>`: baseline time / this time), as one cell."""
-    cells = [f"{k[2:]} {v:.3g}x" for k, v in row.items() if k.startswith("x_") and isinstance(v, (int, float))]
+    """The script's time ratios as one cell "baseline Nx" (baseline time / this time): its `x_<baseline>`
+    columns, and `time_vs_<baseline>` columns (this time / baseline time) inverted."""
+    cells = []
+    for k, v in row.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+            continue
+        if k.startswith("x_"):
+            cells.append(f"{k[2:]} {v:.3g}x")
+        elif k.startswith("time_vs_"):
+            cells.append(f"{k[8:]} {1 / v:.3g}x")
     return ", ".join(cells) or None
+
+
+def shape_of(row) -> str:
+    """The row's case: the script's `group` (shape and op) if it has one, else its `shape`."""
+    return str(row.get("group") or row.get("shape") or row.get("config") or "-")
 
 
 COLUMNS = [("bench", "bench", ""), ("shape", "shape", ""), ("name", "formulation", ""),
            ("median_ms", "median ms", ".4g"), ("gbps", "GB/s", ".3g"), ("tflops", "TFLOP/s", ".3g"),
            ("of_copy_bw", "of copy BW", ".1%"), ("of_matmul", "of matmul", ".1%"), ("peak_mib", "peak MiB", ".4g"),
-           ("ratios", "speedup vs", "")]
+           ("mem_saving", "memory saving (x)", ".3g"), ("ratios", "speedup vs", "")]
 
 
 def table_rows(rows):
     out = []
     for r in rows:
         d = dict(r)
-        d["shape"] = r.get("shape", r.get("config", "-"))
+        d["shape"] = shape_of(r)
         d["ratios"] = ratios(r)
         out.append(d)
     return out
@@ -184,18 +197,20 @@ def render_charts(rows, stem):
         rs = [r for r in rows if r["bench"] == bench and r.get("median_ms")]
         if not rs:
             continue
-        shapes = list(dict.fromkeys(str(r.get("shape", "-")) for r in rs))
+        shapes = list(dict.fromkeys(shape_of(r) for r in rs))
         names = list(dict.fromkeys(r["name"] for r in rs))
         fig, ax = plt.subplots(figsize=(9, 0.45 * len(shapes) * len(names) + 1.5))
         height = 0.8 / len(names)
         for j, name in enumerate(names):
             ys, xs = [], []
             for i, shape in enumerate(shapes):
-                hit = [r["median_ms"] for r in rs if r["name"] == name and str(r.get("shape", "-")) == shape]
+                hit = [r["median_ms"] for r in rs if r["name"] == name and shape_of(r) == shape]
                 if hit:
                     ys.append(i + j * height)
                     xs.append(hit[0])
-            ax.barh(ys, xs, height=height, label=name)
+            bars = ax.barh(ys, xs, height=height, label=name)
+            ax.bar_label(bars, fmt="%.3g", fontsize=6, padding=2)
+        ax.set_xlim(min(r["median_ms"] for r in rs) / 4, max(r["median_ms"] for r in rs) * 4)  # room for labels
         ax.set_yticks([i + 0.4 - height / 2 for i in range(len(shapes))], shapes)
         ax.invert_yaxis()
         ax.set_xscale("log")
@@ -212,7 +227,7 @@ def render_charts(rows, stem):
 
 
 def row_key(r):
-    return (r.get("bench"), str(r.get("shape", r.get("config", "-"))), r.get("name"), str(r.get("setting", "")))
+    return (r.get("bench"), shape_of(r), r.get("name"), str(r.get("setting", "")))
 
 
 def compare_rows(rows, base_rows):
@@ -222,7 +237,7 @@ def compare_rows(rows, base_rows):
     for r in rows:
         b = base.get(row_key(r))
         if b and r.get("median_ms") and b.get("median_ms"):
-            out.append({"bench": r["bench"], "shape": r.get("shape", "-"), "name": r["name"],
+            out.append({"bench": r["bench"], "shape": shape_of(r), "name": r["name"],
                         "median_ms": r["median_ms"], "base_ms": b["median_ms"],
                         "speedup": b["median_ms"] / r["median_ms"]})
     return out

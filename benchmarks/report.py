@@ -63,8 +63,8 @@ def section(path, data, repo):
     if roof:
         lines += [f"Roofline measured first: copy {roof['copy_gbps']:.3g} GB/s (read + write), "
                   f"matmul {roof['matmul']} {roof['matmul_tflops']:.3g} TFLOP/s. \"of copy BW\" is a row's GB/s "
-                  f"over that copy bandwidth (cache-resident small shapes can exceed it); \"speedup vs X\" is X's time over the "
-                  f"row's time.", ""]
+                  f"over that copy bandwidth (cache-resident small shapes can exceed it); \"speedup vs X\" is X's "
+                  f"time over the row's time.", ""]
     shown = table_rows(rows)
     if shown:
         lines += [H.markdown_table(shown, used_columns(shown, COLUMNS)), ""]

@@ -118,3 +118,11 @@ def test_bad_inputs_name_the_argument():
         lay.pack(torch.zeros(3, 2), "values")
     with pytest.raises(ValueError, match="adv"):
         lay.unpack(torch.zeros(5), name="adv")
+
+
+def test_docstring_examples():
+    import doctest
+
+    from compactionrl_fast.integrations import layout
+
+    assert doctest.testmod(layout, optionflags=doctest.NORMALIZE_WHITESPACE).failed == 0

@@ -45,7 +45,7 @@ fi
 $PY -c "import torch, compactionrl_fast as c; print('backends on cuda:', c.available_backends(torch.device('cuda')))"
 
 step "kernel tests on the GPU"
-if ! TRITON_INTERPRET=0 timeout $(( $(left) > 300 ? 150 : $(left) / 3 )) \
+if ! TRITON_INTERPRET=0 timeout $(( $(left) > 400 ? 180 : $(left) / 3 )) \
      $PY -m pytest -q -p no:cacheprovider tests/test_cuda_backends.py tests/test_aot.py -rs; then
   echo "KERNEL TESTS FAILED"; status=1
 fi

@@ -12,7 +12,8 @@ and `--threads`.
 Sizes: `--quick` passes `--quick` (CI-sized, seconds). The default is moderate (a few minutes for the
 suite on a 2-core CPU): a script that has a `--full` option runs its default shapes; one that has not
 is taken to default to the issue-sized shapes and runs `--quick`. `--full` passes `--full` where the
-script has it, else runs the script's default.
+script has it, else runs the script's default. The scripts' own output goes to a .log next to `--json`,
+or to build/bench-logs/ for the default JSON path.
 
 Roofline: before the scripts, a device-to-device copy and a matmul (bf16 on CUDA, float32 on CPU) are
 timed; every row with GB/s gets `of_copy_bw` (its share of the copy bandwidth), every row with TFLOP/s
@@ -308,7 +309,11 @@ def main(argv=None):
     names = discover(root, args.only.split(",") if args.only else None)
     out_json = args.json or default_json(args.device, size)
     os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
-    log_path = os.path.splitext(out_json)[0] + ".log"
+    # the scripts' own output: next to an explicit --json, else in build/ (ignored by git)
+    stem = os.path.splitext(out_json if args.json else os.path.join(H.REPO, "build", "bench-logs",
+                                                                    os.path.basename(out_json)))[0]
+    log_path = stem + ".log"
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
 
     roof = None
     if not args.no_roofline:

@@ -236,3 +236,32 @@ def test_verl_loads_the_adapter_from_its_env_variable(core_algos):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["compactionrl_fast.integrations.verl", "compute_policy_loss_compaction"]
+
+
+def test_patch_real_verl_compute_advantage(core_algos):
+    rt = pytest.importorskip("verl.trainer.ppo.ray_trainer",
+                             reason="verl's ray_trainer needs more packages (torchdata, datasets, fastapi, ...)")
+    import numpy as np
+    from omegaconf import OmegaConf
+    from verl import DataProto
+
+    b = packed_batch(SHAPE_TABLE["four_segments"], seed=9)
+    pad, ids, pos, rows, cols = padded_from_packed(b, shuffle=False)
+    data = DataProto.from_dict(tensors={"token_level_rewards": pad["rewards"], "values": pad["values"],
+                                        "response_mask": pad["mask"].long()},
+                               non_tensors={"uid": np.array([f"u{i}" for i in ids.tolist()], dtype=object)})
+    cfg = OmegaConf.create({"gamma": 1.0, "lam": 1.0, "adv_estimator": "compaction_gae",
+                            "compaction_gae": {"cross_segment": "stitched"}})
+    original = rt.compute_advantage
+    try:
+        assert V.patch_compute_advantage(rt) == [rt]
+        out = rt.compute_advantage(data, adv_estimator="compaction_gae", gamma=1.0, lam=1.0, num_repeat=1,
+                                   norm_adv_by_std_in_grpo=True, config=cfg)
+        want_adv, want_ret = crf.segment_gae(**b, cross_segment="stitched")
+        torch.testing.assert_close(out.batch["advantages"][rows, cols], want_adv, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out.batch["returns"][rows, cols], want_ret, rtol=1e-6, atol=1e-6)
+        gae = rt.compute_advantage(data, adv_estimator="gae", gamma=1.0, lam=0.9, config=OmegaConf.create({}))
+        want, _ = core_algos.compute_gae_advantage_return(pad["rewards"], pad["values"], pad["mask"].long(), 1.0, 0.9)
+        torch.testing.assert_close(gae.batch["advantages"], want)  # other estimators: verl's own function
+    finally:
+        rt.compute_advantage = original

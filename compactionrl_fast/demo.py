@@ -68,7 +68,8 @@ def run_sft(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, log=None, progress
     rank, ws = world()
     opt = sft.make_optimizer(actor, s)
     pack = packer(cfg)
-    expert = ScriptedExpert(s.expert_drop_p, seed=cfg.seed)
+    expert = ScriptedExpert(s.expert_drop_p, seed=cfg.seed * 1009 + rank)
+    device = next(actor.parameters()).device
     n = max(s.segments_per_step // 5, 1)  # the task's rollouts hold 5 segments each
     n_local = max(n // ws, 1)
     bar = _tqdm(total=s.steps, desc=f"SFT    seed {cfg.seed}", disable=not progress or rank != 0)
@@ -76,7 +77,7 @@ def run_sft(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, log=None, progress
     for step in range(s.steps):
         seeds = [SFT_SEED_BASE + (cfg.seed * 100_003 + step) * n + rank * n_local + i for i in range(n_local)]
         demos = run_rollouts(expert, make_envs(n_local), tok, rcfg, seeds)
-        batches = [pack(g) for g in split_rollouts(demos, cfg.micro_batch_tokens)]
+        batches = [pack(g).to(device) for g in split_rollouts(demos, cfg.micro_batch_tokens)]
         m = sft.sft_step(actor, opt, batches, s, lr=sft.lr_at(step, s.steps, s))
         if log is not None and (step % 10 == 0 or step == s.steps - 1):
             log.log(step, m)
@@ -122,22 +123,11 @@ def run_eval(actor, tok, make_envs, rcfg, n: int, temperature: float) -> dict:
 
 
 def summary_recall(rollouts) -> float | None:
-    """Fraction of summaries holding every digit revealed before them (the skill RL has to learn)."""
-    hits = total = 0
-    for r in rollouts:
-        digits = [w for t in r.turns for w in _digit(t.observation)]
-        for k, text in enumerate(r.summaries):
-            # digits observed in the windows before summary k+1
-            seen = sum(1 for t in r.turns if t.window <= k and _digit(t.observation))
-            words = text.split()
-            total += 1
-            hits += words[1:] == digits[:seen]
-    return hits / total if total else None
+    """Fraction of summaries that hold every digit revealed before them (the skill RL has to learn)."""
+    from .envs.memory import summary_correct
 
-
-def _digit(obs: str) -> list:
-    w = obs.split()
-    return [w[2]] if len(w) >= 3 and w[0] == "digit" else []
+    flags = [ok for r in rollouts for ok in summary_correct(r)]
+    return sum(flags) / len(flags) if flags else None
 
 
 def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512, out_dir="benchmarks/results",
@@ -288,11 +278,8 @@ def train(cfg: TrainConfig, *, resume: bool = True):
     _init_distributed(cfg)
     rank, _ = world()
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
-    if device != "cpu":
-        raise NotImplementedError("the built-in task trains on CPU tensors; device=cuda is not wired yet")
     tok, make_envs, rcfg = task(cfg)
-    torch.manual_seed(cfg.seed + 7919 * rank)
-    actor = build(cfg, tok)
+    actor = build(cfg, tok, device)  # same seed on every rank: identical initial weights
     if rank == 0:
         os.makedirs(cfg.run_dir, exist_ok=True)
         with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:

@@ -22,6 +22,7 @@ class ModelConfig:
     num_heads: int = 4
     intermediate_size: int = 256
     max_positions: int = 512
+    tie_embeddings: bool = True
     dtype: str = "float32"  # training dtype of the weights: float32 | bfloat16
 
 
@@ -53,6 +54,8 @@ class TrainConfig:
     steps: int = 200  # actor updates
     value_pretrain_steps: int = 50  # critic-only steps before the first actor update
     critic_updates_per_step: int = 2
+    ppo_epochs: int = 1  # passes of actor updates over each batch
+    ppo_minibatches: int = 1  # actor optimiser steps per pass (the batch's rollouts split evenly)
     # optimisers (Adam)
     actor_lr: float = 2e-6
     critic_lr: float = 3e-6

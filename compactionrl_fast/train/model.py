@@ -28,7 +28,7 @@ def hf_config(cfg: ModelConfig, vocab_size: int, *, pad_token_id=None, bos_token
     kw = dict(vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
               num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
               num_key_value_heads=cfg.num_heads, max_position_embeddings=cfg.max_positions,
-              tie_word_embeddings=False, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+              tie_word_embeddings=cfg.tie_embeddings, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
               eos_token_id=eos_token_id)
     if cfg.arch == "llama":
         return LlamaConfig(**kw)
@@ -40,12 +40,10 @@ def hf_config(cfg: ModelConfig, vocab_size: int, *, pad_token_id=None, bos_token
 def default_attn_implementation(device) -> str:
     """flash_attention_2 on CUDA where flash-attn is installed, else SDPA."""
     if torch.device(device).type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
+        import importlib.util
 
+        if importlib.util.find_spec("flash_attn") is not None:
             return "flash_attention_2"
-        except ImportError:
-            pass
     return "sdpa"
 
 

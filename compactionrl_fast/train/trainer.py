@@ -15,7 +15,6 @@ update. The math lives in the ops; this file only wires them.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -43,7 +42,8 @@ def world() -> tuple[int, int]:
 def global_sum(x: float, group=None) -> float:
     if world()[1] == 1:
         return float(x)
-    t = torch.tensor([float(x)], dtype=torch.float64)
+    dev = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor([float(x)], dtype=torch.float64, device=dev)
     dist.all_reduce(t, group=group)
     return float(t)
 
@@ -120,13 +120,14 @@ def selected_offsets(batch, idx, mask):
     """cu_seqlens [S+1] over the selected positions `idx` (the layout the losses see), and the mask there."""
     seg, _, _ = diagnostics.segment_ids(batch)
     S = batch.cu_seqlens.numel() - 1
-    counts = torch.zeros(S, dtype=torch.long).index_add_(0, seg[idx], torch.ones_like(idx))
+    counts = torch.zeros(S, dtype=torch.long, device=idx.device).index_add_(0, seg[idx], torch.ones_like(idx))
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)]), mask[idx]
 
 
 def concat_layout(batches, masks):
     """One (loss_mask [T], cu_seqlens [S+1], cu_segments [R+1]) over micro-batches, `masks` replacing loss_mask."""
-    cu_seq, cu_seg = [torch.zeros(1, dtype=torch.long)], [torch.zeros(1, dtype=torch.long)]
+    dev = batches[0].loss_mask.device if batches else "cpu"
+    cu_seq, cu_seg = [torch.zeros(1, dtype=torch.long, device=dev)], [torch.zeros(1, dtype=torch.long, device=dev)]
     t = s = 0
     for b in batches:
         cu_seq.append(b.cu_seqlens[1:].long() + t)
@@ -164,7 +165,7 @@ def _optim_step(params, opt, max_norm, group):
     params = list(params)
     all_reduce_grads(params, group)
     params = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf")) if params else torch.zeros(())
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf")) if params else 0.0
     opt.step()
     return float(norm)
 
@@ -186,16 +187,25 @@ class _Mean:
         return {prefix + k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
 
 
+def _scatter(idx, values, T):
+    """[T] float32 zeros with `values` [N] at positions `idx`."""
+    return torch.zeros(T, dtype=torch.float32, device=idx.device).index_put_((idx,), values.float())
+
+
 def train_step(state: State, batches: list, *, update_actor: bool = True, diagnose: bool = True,
-               gap: bool = False) -> dict:
-    """One PPO step over this rank's micro-batches (PackedBatch each, whole rollouts). Returns metrics."""
+               gap: bool = False, minibatches: list | None = None) -> dict:
+    """One PPO step over this rank's micro-batches (PackedBatch each, whole rollouts). Returns metrics.
+
+    `minibatches`: lists of indices into `batches`, one actor optimiser step each, repeated for
+    cfg.ppo_epochs (default: all micro-batches in one step). Every rank must pass the same number.
+    """
     cfg, actor, critic, group = state.cfg, state.actor, state.critic, state.group
+    from ..ops import value_head, value_loss
+
     idx = [action_index(b.loss_mask, b.cu_attn) for b in batches]
     sel_v = [selected_offsets(b, i, b.loss_mask) for b, i in zip(batches, idx)]
     den_v = denominator(batches, [b.loss_mask for b in batches], "token-mean", group)
     out = {}
-    from ..ops import ppo_policy_loss, value_head, value_loss
-
     # ---- critic: update 1 also yields the old values, hence advantages and returns
     adv, ret, old_v = [None] * len(batches), [None] * len(batches), [None] * len(batches)
     critic.train()
@@ -206,8 +216,7 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
             v = value_head(critic_hidden(critic, b, idx[i]), critic.weight, critic.bias)  # [N]
             if k == 0:
                 old_v[i] = v.detach()
-                values = torch.zeros(b.loss_mask.numel()).index_put_((idx[i],), old_v[i])
-                adv[i], ret[i] = advantages(b, values, cfg)
+                adv[i], ret[i] = advantages(b, _scatter(idx[i], old_v[i], b.loss_mask.numel()), cfg)
             cu, m = sel_v[i]
             loss, met = value_loss(v, old_v[i], ret[i][idx[i]], m, clip=cfg.value_clip, cu_seqlens=cu,
                                    cu_segments=b.cu_segments, reduction="token-mean", denominator=den_v)
@@ -219,15 +228,25 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
         if k == 0:
             out.update(acc.result("critic/"))
             out["critic/value_loss"] = total
-    # ---- actor
+    # ---- actor: PPO epochs over mini-batches
     if update_actor:
         actor.train()
-        out.update(_actor_update(state, batches, idx, adv))
+        minibatches = minibatches or [list(range(len(batches)))]
+        old = None
+        if cfg.ppo_epochs * len(minibatches) > 1:  # several steps: freeze the behaviour log-probs first
+            with torch.no_grad():
+                old = [actor_logprobs(actor, b, i, temperature=cfg.temperature) for b, i in zip(batches, idx)]
+        acc = _Mean()
+        for _ in range(cfg.ppo_epochs):
+            for mb in minibatches:
+                sub = lambda xs: [xs[j] for j in mb]  # noqa: E731
+                acc.add(_actor_update(state, sub(batches), sub(idx), sub(adv), sub(old) if old else None), 1.0)
+        out.update(acc.result())
     # ---- diagnostics on the whole local batch
     if diagnose:
         d = _Mean()
         for i, b in enumerate(batches):
-            values = torch.zeros(b.loss_mask.numel()).index_put_((idx[i],), old_v[i])
+            values = _scatter(idx[i], old_v[i], b.loss_mask.numel())
             stats = diagnostics.batch_diagnostics(b, adv[i], values, ret[i], cfg)
             if gap:
                 stats.update(diagnostics.advantage_gap(b, values, cfg))
@@ -240,7 +259,9 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
     return out
 
 
-def _actor_update(state, batches, idx, adv) -> dict:
+def _actor_update(state, batches, idx, adv, old=None) -> dict:
+    """One actor optimiser step over micro-batches; `old` behaviour log-probs [N] each (None: the current
+    policy, detached, i.e. ratio 1 in value with the policy gradient as its gradient)."""
     from ..ops import ppo_policy_loss
 
     cfg, actor, group = state.cfg, state.actor, state.group
@@ -253,24 +274,23 @@ def _actor_update(state, batches, idx, adv) -> dict:
         logp, ent = actor_logprobs(actor, b, idx[i], temperature=cfg.temperature, return_entropy=True)
         cu, m = sel_p[i]
         rollout_lp = b.rollout_logprobs[idx[i]].float()
-        # one optimiser step per batch: the old policy is the current one (ratio 1 in value, not in gradient)
-        loss, met = ppo_policy_loss(logp, logp.detach(), adv[i][idx[i]], m, cu_seqlens=cu, cu_segments=b.cu_segments,
-                                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+        loss, met = ppo_policy_loss(logp, logp.detach() if old is None else old[i], adv[i][idx[i]], m,
+                                    cu_seqlens=cu, cu_segments=b.cu_segments, clip_low=cfg.clip_low,
+                                    clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
                                     rollout_logprobs=rollout_lp if cfg.tis_cap else None, tis_cap=cfg.tis_cap,
                                     reduction=cfg.loss_reduction, denominator=den_p)
         loss.backward()
         n = int(m.sum())
-        with torch.no_grad():
-            lr = logp.detach()[m] - rollout_lp[m]  # trainer vs sampler log-prob mismatch
-            mis = {"rollout_kl": (torch.expm1(lr) - lr).mean() if n else torch.tensor(float("nan")),
-                   "rollout_logp_absdiff_max": lr.abs().max() if n else torch.tensor(float("nan")),
-                   "entropy": ent.detach()[m].mean() if n else torch.tensor(float("nan"))}
+        if n:
+            with torch.no_grad():
+                lr = logp.detach()[m] - rollout_lp[m]  # trainer vs sampler log-prob mismatch
+                met.update(rollout_kl=(torch.expm1(lr) - lr).mean(), rollout_logp_absdiff_max=lr.abs().max(),
+                           entropy=ent.detach()[m].mean())
         total += float(loss.detach())
-        acc.add({**met, **mis}, n)
+        acc.add(met, n)
     out = acc.result("actor/")
     out["actor/policy_loss"] = total
     out["actor/grad_norm"] = _optim_step(actor.parameters(), state.opt_actor, cfg.max_grad_norm, group)
-    out["actor/tokens"] = den_p if cfg.loss_reduction == "token-mean" else None
     return out
 
 
@@ -300,6 +320,19 @@ def split_rollouts(rollouts: list, max_tokens: int) -> list:
     if cur:
         groups.append(cur)
     return groups
+
+
+def micro_batches(rollouts: list, cfg: TrainConfig, pack, device="cpu"):
+    """Pack a rank's rollouts into micro-batches of at most cfg.micro_batch_tokens tokens, within
+    cfg.ppo_minibatches even groups. Returns (batches, minibatches as lists of batch indices)."""
+    k = max(1, min(cfg.ppo_minibatches, len(rollouts)))
+    batches, groups = [], []
+    for j in range(k):
+        part = rollouts[j * len(rollouts) // k:(j + 1) * len(rollouts) // k]
+        first = len(batches)
+        batches += [pack(g).to(device) for g in split_rollouts(part, cfg.micro_batch_tokens)]
+        groups.append(list(range(first, len(batches))))
+    return batches, groups
 
 
 def rollout_metrics(rollouts: list, prefix: str = "") -> dict:
@@ -369,8 +402,9 @@ def evaluate(engine, make_envs, tokenizer, rollout_cfg, n: int, *, temperature: 
         s = seeds[i:i + chunk]
         out += run_rollouts(engine, make_envs(len(s)), tokenizer, cfg, s, chat=chat)
     m = rollout_metrics(out)
-    if ws > 1:  # average over ranks (equal shares up to one rollout)
-        m = {k: global_sum(v * len(out)) / max(global_sum(len(out)), 1) for k, v in m.items()}
+    if ws > 1:  # fixed keys averaged over ranks; the environments' info keys stay this rank's
+        n = max(global_sum(len(out)), 1)
+        m.update({k: global_sum(v * len(out)) / n for k, v in m.items() if not k.startswith("info/")})
     return m, out
 
 
@@ -390,6 +424,7 @@ def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_di
     if cfg.rollouts_per_step % ws:
         raise ValueError(f"rollouts_per_step={cfg.rollouts_per_step} is not divisible by the world size {ws}")
     n_local = cfg.rollouts_per_step // ws
+    device = next(state.actor.parameters()).device
     total = cfg.value_pretrain_steps + cfg.steps
     log = log or MetricsLog(run_dir, resume_step=state.step)
     while state.step < total:
@@ -401,11 +436,14 @@ def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_di
         rollouts = run_rollouts(engine, make_envs(n_local), tokenizer, rcfg, train_seeds(cfg, it, rank, n_local),
                                 chat=chat)
         t1 = time.perf_counter()
-        batches = [pack(g) for g in split_rollouts(rollouts, cfg.micro_batch_tokens)]
+        batches, minibatches = micro_batches(rollouts, cfg, pack, device)
         gap = bool(cfg.gap_every) and (it % cfg.gap_every == 0)
-        metrics = train_step(state, batches, update_actor=not pretrain, gap=gap)
+        metrics = train_step(state, batches, update_actor=not pretrain, gap=gap, minibatches=minibatches)
         t2 = time.perf_counter()
-        metrics.update(rollout_metrics(rollouts))
+        rm = rollout_metrics(rollouts)
+        if ws > 1:  # the fixed keys are averaged over ranks; the environments' info keys stay rank 0's
+            rm.update({k: global_sum(v, state.group) / ws for k, v in rm.items() if not k.startswith("info/")})
+        metrics.update(rm)
         metrics.update({"phase": "value_pretrain" if pretrain else "ppo", "time/rollout_s": t1 - t0,
                         "time/train_s": t2 - t1, "actor_step": max(0, it + 1 - cfg.value_pretrain_steps)})
         state.step = it + 1

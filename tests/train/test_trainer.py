@@ -95,3 +95,15 @@ def test_advantages_use_segment_gae_with_the_config():
                                   mode="stitched" if mode == "stitched" else "paper")
         ref_adv, ref_ret = segment_gae(rew, values, b.loss_mask, b.cu_seqlens, b.cu_segments, cross_segment=mode)
         assert torch.equal(adv, ref_adv) and torch.equal(ret, ref_ret)
+
+
+def test_ppo_epochs_and_minibatches_use_frozen_old_logprobs():
+    from compactionrl_fast.packing import pack
+
+    actor, critic = tiny_models()
+    rollouts = tiny_rollouts(4)
+    state = make_state(_cfg(ppo_epochs=2, ppo_minibatches=2, actor_lr=3e-3), actor, critic)
+    batches = [pack(rollouts[:2], prefix_sharing=True), pack(rollouts[2:], prefix_sharing=True)]
+    m = train_step(state, batches, minibatches=[[0], [1]], diagnose=False)
+    # after the first of 4 actor steps the policy moved away from the frozen behaviour policy
+    assert m["actor/approx_kl"] > 0 and m["actor/ratio_max"] > 1

@@ -78,13 +78,16 @@ std::tuple<at::Tensor, at::Tensor> segment_gae_cpu(const at::Tensor& rewards, co
   }
   auto adv = crf::empty_output(rew.sizes(), rew.options()), ret = crf::empty_output(rew.sizes(), rew.options());
   const int64_t R = cg.numel() - 1;
+  // ~32K tokens per task (ATen's grain): a small batch stays on the calling thread, since waking a pool
+  // thread costs more than scanning it (and, on a loaded machine, a whole scheduler time slice).
+  const int64_t grain = std::max<int64_t>(1, R * 32768 / std::max<int64_t>(rew.numel(), 1));
   AT_DISPATCH_INDEX_TYPES(cs.scalar_type(), "segment_gae_cpu", [&] {
     const index_t* cu_seq = cs.data_ptr<index_t>();
     const index_t* cu_seg = cg.data_ptr<index_t>();
     const float *pr = rew.data_ptr<float>(), *pv = val.data_ptr<float>();
     const bool* pm = mask.data_ptr<bool>();
     float *pa = adv.data_ptr<float>(), *pt = ret.data_ptr<float>();
-    at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         gae_rollout<index_t>(r, cu_seq, cu_seg, pr, pv, pm, lam_ptr, gamma, lam, lam_mode, alpha, cross,
                              lam_critic, pa, pt);

@@ -194,18 +194,20 @@ def measure(name, fn, *, device="cpu", nbytes=None, config=None, memory=True, **
     row["name"] = name
     row.update(time_fn(fn, device, **timing))
     row["gbps"] = nbytes / (row["median_ms"] * 1e-3) / 1e9 if nbytes else None
+    row["gbps_min_time"] = nbytes / (row["min_ms"] * 1e-3) / 1e9 if nbytes else None
     peak = peak_memory(fn, device) if memory else None
     row["peak_mib"] = None if peak is None else peak / 2**20
     row["env"] = environment(device)
     return row
 
 
-def add_speedups(rows, baseline: str, column: str, group: str = "shape"):
-    """row[column] = baseline's median time / row's median time, within rows sharing `row[group]`."""
-    base = {r[group]: r["median_ms"] for r in rows if r["name"] == baseline}
+def add_speedups(rows, baseline: str, column: str, group: str = "shape", stat: str = "median_ms"):
+    """row[column] = baseline's time / row's time (`stat`: "median_ms" or "min_ms"), within rows sharing
+    `row[group]`. On a loaded machine the min is the better estimate of the uncontended time."""
+    base = {r[group]: r[stat] for r in rows if r["name"] == baseline}
     for r in rows:
         b = base.get(r[group])
-        r[column] = b / r["median_ms"] if b is not None else None
+        r[column] = b / r[stat] if b is not None else None
     return rows
 
 

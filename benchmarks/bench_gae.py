@@ -321,7 +321,7 @@ def bench_shape(shape, spec, device, *, budget_s):
                               config={**config, "setting": "-"}, budget_s=budget_s))
         copy = rows[-1]["gbps"]
         for r in rows:
-            r["of_copy_bw"] = r["gbps"] / copy
+            r["of_copy_bw"] = r["gbps"] / copy  # median times
     return rows
 
 
@@ -331,15 +331,15 @@ COLUMNS = [("shape", "shape", ""), ("name", "formulation", ""), ("median_ms", "m
            ("peak_mib", "peak MiB", ".1f"), ("faults_per_call", "faults/call", ".0f")]
 
 
-def run(shapes, device, *, budget_s=1.0):
+def run(shapes, device, *, budget_s=1.0, stat="median_ms"):
     if device.type == "cpu":
         H.settle_malloc()
     rows = []
     for shape, spec in shapes.items():
         print(f"... {shape}", file=sys.stderr, flush=True)
         rows += bench_shape(shape, spec, device, budget_s=budget_s)
-    H.add_speedups(rows, "per-step loop", "x_loop")
-    H.add_speedups(rows, "C scan", "x_c")
+    H.add_speedups(rows, "per-step loop", "x_loop", stat=stat)
+    H.add_speedups(rows, "C scan", "x_c", stat=stat)
     return rows
 
 
@@ -350,6 +350,8 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--budget", type=float, default=1.0, help="seconds of timing per row (min 3 reps)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--stat", choices=("median", "min"), default="median",
+                   help="time statistic of GB/s and speedups (min: on a machine others are loading)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -357,10 +359,13 @@ def main(argv=None):
     shapes = dict(QUICK_SHAPES if args.quick else SHAPES)
     if device.type == "cuda" and not args.quick:
         shapes.update(CUDA_SHAPES)
-    rows = run(shapes, device, budget_s=args.budget)
-    columns = COLUMNS + ([("of_copy_bw", "of copy BW", ".0%")] if device.type == "cuda" else [])
+    stat = args.stat + "_ms"
+    rows = run(shapes, device, budget_s=args.budget, stat=stat)
+    columns = [c if c[0] != "gbps" or stat == "median_ms" else ("gbps_min_time", "GB/s", c[2]) for c in COLUMNS]
+    columns += [("of_copy_bw", "of copy BW", ".0%")] if device.type == "cuda" else []
     env = H.environment(device)
-    notes = [f"settings: gamma={GAMMA}, lam={LAM}, cross_segment='none', returns = adv + values, unless "
+    notes = [f"GB/s and speedups from the {args.stat} time of each row.",
+             f"settings: gamma={GAMMA}, lam={LAM}, cross_segment='none', returns = adv + values, unless "
              "'recipe' (segment_gae defaults). Byte count: 17 bytes/token (rewards, values, mask, adv, ret).",
              "Every shape but the small ones holds 2^20 = 1,048,576 tokens (the '1M tokens' case); '1M varlen' "
              "has random rollout lengths (0.25..2x the mean) and 1..4 segments per rollout.",
@@ -409,6 +414,16 @@ def _cpp_or_skip():
 def test_segment_gae_cpp(benchmark):
     _cpp_or_skip()
     b = _small()
+    got = benchmark(run_backend, b, "cpp")
+    check("cpp", got, c_scan()(b["rewards"], b["values"], b["loss_mask"].view(torch.uint8), b["cu_seqlens"].long()))
+
+
+def test_segment_gae_cpp_1m(benchmark):
+    """2^20 tokens: large enough for the cpp backend to split rollouts across threads."""
+    _cpp_or_skip()
+    if "b1m" not in _small.__dict__:
+        _small.b1m = make_batch(128, 8192, 3)
+    b = _small.b1m
     got = benchmark(run_backend, b, "cpp")
     check("cpp", got, c_scan()(b["rewards"], b["values"], b["loss_mask"].view(torch.uint8), b["cu_seqlens"].long()))
 

@@ -15,7 +15,7 @@ from tests.integrations import peers
 from tests.integrations._batches import padded_from_packed
 from tests.utils import SHAPE_TABLE, packed_batch
 
-REASON = "TRL's PPO trainer is not importable (removed in TRL 1.13; TRL <= 1.12 is not installed here)"
+REASON = "TRL's PPO trainer is not importable (removed in TRL 1.13; `make test-integrations` installs TRL 1.12)"
 
 
 def _trl_batch(seed=0, L=50):

@@ -5,7 +5,9 @@
 
 Every row times forward + backward of one loss of the log-probs, gradients to hidden and weight
 (`torch.autograd.grad`, so the gradients are allocated inside the timed call), and profiles its peak
-memory (outputs and gradients included):
+memory (outputs and gradients included). Timing is round-robin (one call of every row per round,
+median over rounds), because one call takes seconds on a CPU and the load of a shared machine drifts
+over minutes; the CPU column is the process CPU time of a call (all threads):
 
 - "naive": `reference.naive_linear_logprobs` in the inputs' dtype: [T, V] logits, float32 log_softmax,
   autograd. The baseline of the "x naive" columns.
@@ -23,8 +25,12 @@ work each row does.
 from __future__ import annotations
 
 import argparse
+import gc
+import math
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -114,12 +120,42 @@ def check(name, got, want, dtype):
             raise AssertionError(f"{name} disagrees with naive on {what}: max-relative error {err:.2e} >= {tol}")
 
 
+def time_round_robin(fns, device, *, budget_s, min_reps=3, max_reps=20):
+    """{name: timing} with one call of every formulation per round, so that the load of a shared machine
+    drifts over all of them alike (calls take seconds on a CPU). Median and min wall ms, and the median
+    process CPU ms (all threads) of each; the caller has run every fn once already (the warm-up)."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    est = 0.0
+    for fn in fns.values():
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        est += time.perf_counter() - t0
+    reps = int(min(max_reps, max(min_reps, math.ceil(budget_s / max(est, 1e-9)))))
+    wall, cpu = {n: [] for n in fns}, {n: [] for n in fns}
+    gc.disable()
+    try:
+        for _ in range(reps):
+            for name, fn in fns.items():
+                sync()
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                sync()
+                wall[name].append((time.perf_counter() - t0) * 1e3)
+                cpu[name].append((time.process_time() - c0) * 1e3)
+    finally:
+        gc.enable()
+    return {n: {"median_ms": statistics.median(wall[n]), "min_ms": min(wall[n]), "reps": reps,
+                "cpu_ms": statistics.median(cpu[n])} for n in fns}
+
+
 def bench_shape(shape, spec, device, *, budget_s):
     T, Hd, V, dtype = spec
     h, w, y = make_inputs(T, Hd, V, dtype, device)
     config = {"shape": shape, "T": T, "H": Hd, "V": V, "dtype": str(dtype).replace("torch.", "")}
     flops = 6 * T * Hd * V
-    rows, want = [], {}
+    fns, entropy_of, want = {}, {}, {}
     for name, step, entropy in formulations(device):
         fn = lambda step=step, entropy=entropy: step(h, w, y, entropy)
         got = fn()  # the check call is also the warm-up
@@ -128,13 +164,20 @@ def bench_shape(shape, spec, device, *, budget_s):
         else:
             check(name, got, want[entropy], dtype)
         del got
-        row = H.measure(name, fn, device=device, config={**config, "entropy": entropy}, budget_s=budget_s,
-                        warmup=0, min_reps=3)
+        fns[name], entropy_of[name] = fn, entropy
+    want.clear()
+    timings = time_round_robin(fns, device, budget_s=budget_s)
+    rows = []
+    for name, fn in fns.items():
+        peak = H.peak_memory(fn, device)
+        row = {**config, "entropy": entropy_of[name], "name": name, **timings[name],
+               "peak_mib": None if peak is None else peak / 2**20, "env": H.environment(device)}
         row["tflops"] = flops / (row["median_ms"] * 1e-3) / 1e12
         rows.append(row)
     for r in rows:  # ratios to the naive row with the same entropy setting
         base = next(b for b in rows if b["name"] == ("naive +H" if r["entropy"] else "naive"))
         r["time_vs_naive"] = r["median_ms"] / base["median_ms"]
+        r["cpu_vs_naive"] = r["cpu_ms"] / base["cpu_ms"]
         if r.get("peak_mib") and base.get("peak_mib"):
             r["mem_saving"] = base["peak_mib"] / r["peak_mib"]
     return rows
@@ -142,8 +185,9 @@ def bench_shape(shape, spec, device, *, budget_s):
 
 COLUMNS = [("shape", "shape", ""), ("name", "formulation", ""), ("median_ms", "median ms", ".1f"),
            ("min_ms", "min ms", ".1f"), ("reps", "reps", "d"), ("tflops", "TFLOP/s", ".3g"),
-           ("time_vs_naive", "time / naive", ".2f"), ("peak_mib", "peak MiB", ".0f"),
-           ("mem_saving", "naive peak / peak", ".1f"), ("faults_per_call", "faults/call", ".0f")]
+           ("time_vs_naive", "time / naive", ".2f"), ("cpu_ms", "CPU ms", ".0f"),
+           ("cpu_vs_naive", "CPU / naive", ".2f"), ("peak_mib", "peak MiB", ".0f"),
+           ("mem_saving", "naive peak / peak", ".1f")]
 
 
 def run(shapes, device, *, budget_s=1.0):
@@ -176,7 +220,7 @@ def main(argv=None):
     notes = ["loss = -sum(logp) (- 0.01 * sum(entropy) in '+H' rows), temperature 1, no bias; forward + "
              "backward to hidden and weight per call. Peak: torch allocations during one call minus before "
              "(outputs and gradients included).",
-             "chunked: default chunk size (CPU 2^23 logits per chunk, CUDA 2^28); backward recomputes each "
+             "chunked: default chunk size (CPU 2^24 logits per chunk, CUDA 2^28); backward recomputes each "
              "chunk's logits (4 matmuls). fused = linear_logprobs_loss (3 matmuls).",
              "TFLOP/s = 6 T H V / time for every row (the naive backward's 3 matmuls)."]
     text = H.format_table(rows, COLUMNS)

@@ -20,11 +20,11 @@ from . import _alloc, _dispatch
 from ._validate import check_float, check_tensor
 
 HIDDEN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Logits elements per chunk buffer when chunk_size is None. CPU: 32 MB of fp32 (256 rows at V = 32768;
-# 256, 512 and 1024 rows cost the same CPU time there, 128 rows more: take the smallest buffer).
-# CUDA: 512 MB of bf16 (~1760 rows at V = 151936: large enough for cuBLAS, small next to the [V, H]
-# fp32 weight-gradient accumulator).
-CHUNK_ELEMS = {"cpu": 1 << 23, "cuda": 1 << 28}
+# Logits elements per chunk buffer when chunk_size is None. CPU: 64 MB of fp32 (512 rows at V = 32768;
+# with 2 threads, 256 rows took ~1.25x the time of 512 or 1024 on the 2-core dev VM: BLAS efficiency
+# of the thin matmuls). CUDA: 512 MB of bf16 (~1760 rows at V = 151936: large enough for cuBLAS, small
+# next to the [V, H] fp32 weight-gradient accumulator).
+CHUNK_ELEMS = {"cpu": 1 << 24, "cuda": 1 << 28}
 
 
 def default_chunk_size(T: int, V: int, device: torch.device) -> int:
@@ -330,7 +330,7 @@ def linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, chun
         targets: [T] int64 (or int32) token ids in [0, V).
         bias: [V] or None, hidden's dtype.
         temperature: float > 0, the sampler's temperature (logits are divided by it).
-        chunk_size: rows per chunk; None picks about 32 MB of fp32 logits on CPU, 512 MB on CUDA.
+        chunk_size: rows per chunk; None picks about 64 MB of fp32 logits on CPU, 512 MB on CUDA.
         return_entropy: also return the entropy -sum_v p log p of each token's distribution.
         backend: "auto" (CUDA: "triton"; CPU: "torch") | "triton" | "torch".
 

@@ -32,9 +32,10 @@ def value_loss_fwd_kernel(v, old, ret, mask, cu, scale, grad, part, T, S, n_iter
     if USE_CLIP:
         b_old = tl.load(old + o_t, mask=m_t, other=0.0).to(tl.float32)
         b_d = b_v - b_old
-        # v itself inside the clip range (old + (v - old) may round away from v and fake a clip)
-        b_vc = tl.where(b_d < -eps, b_old - eps, tl.where(b_d > eps, b_old + eps, b_v))
-        b_e2 = b_vc - b_r
+        # v_clip - R: e1 itself inside the clip range (old + (v - old) may round away from v and fake
+        # a clip), else (old - R) +- eps, rounded once relative to the result (csrc/common/ppo_math.h)
+        b_out = (b_old - b_r) + tl.where(b_d < 0.0, -eps, eps)
+        b_e2 = tl.where((b_d < -eps) | (b_d > eps), b_out, b_e1)
         b_q2 = b_e2 * b_e2
         b_clip = b_q2 > b_q1
         b_l = 0.5 * tl.where(b_clip, b_q2, b_q1)

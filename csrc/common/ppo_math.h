@@ -1,28 +1,30 @@
 // Per-token math of the clipped-PPO policy loss and the clipped value loss, shared by the CPU
 // (csrc/cpu/ppo_loss.cpp, value_loss.cpp) and CUDA (csrc/cuda/*_kernels.cuh) kernels, so the CPU tests
-// exercise the CUDA arithmetic too. Everything is branch-free float32 so the CPU loops vectorise.
+// exercise the CUDA arithmetic too. Everything is branch-free float32 so the CPU loops vectorise: both
+// sides of every select are computed first (with the default -ftrapping-math, gcc does not if-convert
+// a select whose arm does float arithmetic, and a loop with control flow is not vectorised).
 // Semantics: SPEC section 4 and compactionrl_fast/reference/losses.py.
 #pragma once
 #include <cstdint>
 #include <cstring>
 
-#ifndef CRF_HD  // same definition as in gae_step.h
+// Host/device and always inlined: a plain `inline` callee is not inlined into the AVX2-targeted CPU
+// loops (different target options), which then call it per token instead of vectorising.
 #if defined(__CUDACC__)
-#define CRF_HD __host__ __device__ __forceinline__
+#define CRF_HDI __host__ __device__ __forceinline__
 #else
-#define CRF_HD inline
-#endif
+#define CRF_HDI inline __attribute__((always_inline))
 #endif
 
 namespace crf {
 
-CRF_HD float bits_to_float(int32_t i) {
+CRF_HDI float bits_to_float(int32_t i) {
   float f;
   memcpy(&f, &i, sizeof f);
   return f;
 }
 
-CRF_HD int32_t float_to_bits(float f) {
+CRF_HDI int32_t float_to_bits(float f) {
   int32_t i;
   memcpy(&i, &f, sizeof i);
   return i;
@@ -30,7 +32,7 @@ CRF_HD int32_t float_to_bits(float f) {
 
 // e^x in float32 within ~2 ulp (Cephes expf), written without calls or branches so that the host
 // compiler vectorises it; NaN stays NaN, large x gives inf, very negative x gives 0.
-CRF_HD float exp_f32(float x) {
+CRF_HDI float exp_f32(float x) {
   float xc = x > 88.7228f ? 88.7228f : (x < -104.0f ? -104.0f : x);
   // round(xc / ln2) with the 1.5 * 2^23 trick: exact for |n| < 2^22, no rint/floor needed
   const float t = xc * 1.44269504088896341f + 12582912.0f;
@@ -53,7 +55,7 @@ CRF_HD float exp_f32(float x) {
 
 // (e^x - 1) - x, the approximate-KL term with ratio = e^x, accurate also near x = 0 where the
 // direct form cancels: a Taylor series for |x| < 0.5 (truncation < 1e-8 relative), else direct.
-CRF_HD float kl_term(float x, float ratio) {
+CRF_HDI float kl_term(float x, float ratio) {
   float s = 1.0f / 40320.0f;
   s = s * x + 1.0f / 5040.0f;
   s = s * x + 1.0f / 720.0f;
@@ -61,9 +63,9 @@ CRF_HD float kl_term(float x, float ratio) {
   s = s * x + 1.0f / 24.0f;
   s = s * x + 1.0f / 6.0f;
   s = s * x + 0.5f;
-  const float small = s * x * x;
-  const float ax = x < 0.0f ? -x : x;
-  return ax < 0.5f ? small : (ratio - 1.0f) - x;
+  const float small = s * x * x, direct = (ratio - 1.0f) - x, neg = -x;
+  const float ax = x < 0.0f ? neg : x;
+  return ax < 0.5f ? small : direct;
 }
 
 // One token of the clipped PPO objective (before the reduction weight).
@@ -71,25 +73,29 @@ CRF_HD float kl_term(float x, float ratio) {
 //   l = max(-ratio*A, -clip(ratio, 1-eps_low, 1+eps_high)*A); for A < 0: l = min(l, -c*A)
 // dlogp is d l / d logp: -A*ratio on the unclipped branch, 0 where a clip is active.
 // `dual_c` = FLT_MAX switches the dual clip off without a branch (inf would make -c*0 a NaN).
+// The flags are 0/1 floats: one lane type in the CPU loops (and no bool fields, which keep the struct in
+// memory and stop gcc's vectoriser).
 struct PpoToken {
   float loss;
   float dlogp;
   float ratio;
-  bool clipped;  // the clipped branch is strictly larger (its gradient is zero)
-  bool dual;     // the dual clip is active
+  float clipped;  // 1: the clipped branch is strictly larger (its gradient is zero)
+  float dual;     // 1: the dual clip is active
 };
 
-CRF_HD PpoToken ppo_token(float x, float adv, float ratio_lo, float ratio_hi, float dual_c) {
+CRF_HDI PpoToken ppo_token(float x, float adv, float ratio_lo, float ratio_hi, float dual_c) {
   PpoToken o;
   o.ratio = exp_f32(x);
   const float rc = o.ratio < ratio_lo ? ratio_lo : (o.ratio > ratio_hi ? ratio_hi : o.ratio);
   const float l1 = -adv * o.ratio, l2 = -adv * rc;
-  o.clipped = l2 > l1;
-  float l = o.clipped ? l2 : l1;
+  const bool clipped = l2 > l1;
+  const float l = clipped ? l2 : l1;
   const float ld = -dual_c * adv;
-  o.dual = adv < 0.0f && l > ld;
-  o.loss = o.dual ? ld : l;
-  o.dlogp = (o.clipped || o.dual) ? 0.0f : l1;
+  const bool dual = (adv < 0.0f) & (l > ld);
+  o.loss = dual ? ld : l;
+  o.dlogp = (clipped | dual) ? 0.0f : l1;
+  o.clipped = clipped ? 1.0f : 0.0f;
+  o.dual = dual ? 1.0f : 0.0f;
   return o;
 }
 
@@ -99,20 +105,23 @@ CRF_HD PpoToken ppo_token(float x, float adv, float ratio_lo, float ratio_hi, fl
 struct ValueToken {
   float loss;
   float dv;
-  bool clipped;
+  float clipped;  // 0/1, as in PpoToken
 };
 
-CRF_HD ValueToken value_token(float v, float old_v, float ret, float eps, bool use_clip) {
+CRF_HDI ValueToken value_token(float v, float old_v, float ret, float eps, bool use_clip) {
   ValueToken o;
   const float e1 = v - ret;
   const float d = v - old_v;
-  // v itself inside the clip range (old + (v - old) may round away from v and fake a clip)
-  const float vc = d < -eps ? old_v - eps : (d > eps ? old_v + eps : v);
-  const float e2 = vc - ret;
+  // v_clip - R: e1 itself inside the clip range (old + (v - old) may round away from v and fake a
+  // clip), else (old - R) +- eps, which rounds once relative to the result (old +- eps, then - R,
+  // would lose digits when |old| >> |v_clip - R|)
+  const float outside = (old_v - ret) + (d < 0.0f ? -eps : eps);
+  const float e2 = (d < -eps) | (d > eps) ? outside : e1;
   const float q1 = e1 * e1, q2 = e2 * e2;
-  o.clipped = use_clip && q2 > q1;
-  o.loss = 0.5f * (o.clipped ? q2 : q1);
-  o.dv = o.clipped ? 0.0f : e1;
+  const bool clipped = use_clip & (q2 > q1);
+  o.loss = 0.5f * (clipped ? q2 : q1);
+  o.dv = clipped ? 0.0f : e1;
+  o.clipped = clipped ? 1.0f : 0.0f;
   return o;
 }
 

@@ -10,6 +10,10 @@
 #include <limits>
 
 #include "../common/alloc.h"
+
+// The kernel code, with the per-token math, is compiled with -fno-trapping-math (segment_runs.h says why).
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
 #include "../common/ppo_math.h"
 #include "segment_runs.h"
 
@@ -33,35 +37,43 @@ struct Args {
 // Tokens [t0, t1) (at most kChunk) of one segment with reduction weight w; adds into p.
 template <typename idx_t, bool TIS, bool GRAD>
 CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
-  const float wf = (float)w;
-  float loss = 0.0f, kl = 0.0f, rmax = 0.0f;
-  int32_t n = 0, nc = 0, nd = 0;
-#pragma omp simd reduction(+ : loss, kl, n, nc, nd) reduction(max : rmax)
-  for (int64_t t = t0; t < t1; ++t) {
-    const bool m = a.mask[t];
-    const float x = a.logp[t] - a.old[t];
-    const crf::PpoToken o = crf::ppo_token(x, a.adv[t], a.ratio_lo, a.ratio_hi, a.dual_c);
+  enum { L, K, N, C, D, R, NB };  // masked per-token loss, kl, 1, clipped, dual, ratio
+  float buf[NB][crf::kChunk];
+  const int64_t n = t1 - t0;
+  const uint8_t* __restrict mask = reinterpret_cast<const uint8_t*>(a.mask) + t0;
+  const float* __restrict lp = a.logp + t0;
+  const float* __restrict old = a.old + t0;
+  const float* __restrict adv = a.adv + t0;
+  const float* __restrict roll = TIS ? a.roll + t0 : nullptr;
+  float* __restrict grad = GRAD ? a.grad + t0 : nullptr;
+  const float wf = (float)w, lo = a.ratio_lo, hi = a.ratio_hi, dc = a.dual_c, cap = a.tis_cap;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t mi = mask[i];
+    const bool m = mi != 0;
+    const float x = lp[i] - old[i];
+    const crf::PpoToken o = crf::ppo_token(x, adv[i], lo, hi, dc);
     float l = o.loss, g = o.dlogp;
     if (TIS) {
-      const float wi = crf::exp_f32(a.old[t] - a.roll[t]);
-      const float wc = wi < a.tis_cap ? wi : a.tis_cap;
+      const float wi = crf::exp_f32(old[i] - roll[i]);
+      const float wc = wi < cap ? wi : cap;
       l *= wc;
       g *= wc;
     }
-    if (GRAD) a.grad[t] = m ? g * wf : 0.0f;
-    loss += m ? l : 0.0f;
-    kl += m ? crf::kl_term(x, o.ratio) : 0.0f;
-    n += m;
-    nc += m && o.clipped;
-    nd += m && o.dual;
-    rmax = (m && o.ratio > rmax) ? o.ratio : rmax;
+    const float gw = g * wf, k = crf::kl_term(x, o.ratio);
+    if (GRAD) grad[i] = m ? gw : 0.0f;
+    buf[L][i] = m ? l : 0.0f;
+    buf[K][i] = m ? k : 0.0f;
+    buf[N][i] = m ? 1.0f : 0.0f;
+    buf[C][i] = m ? o.clipped : 0.0f;
+    buf[D][i] = m ? o.dual : 0.0f;
+    buf[R][i] = m ? o.ratio : 0.0f;
   }
-  p[kLoss] += w * (double)loss;
-  p[kTokens] += n;
-  p[kClipped] += nc;
-  p[kDual] += nd;
-  p[kKl] += kl;
-  p[kRatioMax] = std::max(p[kRatioMax], (double)rmax);
+  p[kLoss] += w * crf::lane_sum(buf[L], n);
+  p[kKl] += crf::lane_sum(buf[K], n);
+  p[kTokens] += crf::lane_sum(buf[N], n);
+  p[kClipped] += crf::lane_sum(buf[C], n);
+  p[kDual] += crf::lane_sum(buf[D], n);
+  p[kRatioMax] = std::max(p[kRatioMax], (double)crf::lane_max(buf[R], n));
 }
 
 template <typename idx_t, bool TIS, bool GRAD>
@@ -101,6 +113,11 @@ void ppo_blocks_base(const Args<idx_t>& a, int64_t b0, int64_t b1) {
   ppo_blocks<idx_t, TIS, GRAD>(a, b0, b1);
 }
 
+}  // namespace
+#pragma GCC pop_options
+
+namespace {
+
 template <typename idx_t, bool TIS, bool GRAD>
 void ppo_all(const Args<idx_t>& a, int64_t n_blocks) {
   const bool avx2 = crf::has_avx2();
@@ -111,6 +128,7 @@ void ppo_all(const Args<idx_t>& a, int64_t n_blocks) {
       ppo_blocks_base<idx_t, TIS, GRAD>(a, b0, b1);
   });
 }
+
 
 void check_f32(const at::Tensor& t, const char* name, int64_t T) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == T && t.is_contiguous(),

@@ -11,6 +11,10 @@
 #include <limits>
 
 #include "../common/alloc.h"
+
+// The kernel code, with the per-token math, is compiled with -fno-trapping-math (segment_runs.h says why).
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
 #include "../common/ppo_math.h"
 #include "segment_runs.h"
 
@@ -31,28 +35,66 @@ struct Args {
   double* part;  // [n_blocks, kParts]
 };
 
+// Merge the (count, sum, sum of squared deviations) of a chunk into those of the block (Chan et al.);
+// `n` is the block's count before the merge.
+CRF_INLINE void merge_moments(double n, double& sum, double& m2, double nb, double sb, double m2b) {
+  if (nb <= 0.0) return;
+  if (n <= 0.0) {
+    sum = sb;
+    m2 = m2b;
+    return;
+  }
+  const double d = sb / nb - sum / n;
+  m2 += m2b + d * d * n * nb / (n + nb);
+  sum += sb;
+}
+
 // Tokens [t0, t1) (at most kChunk) of one segment with reduction weight w; adds into p.
 template <typename idx_t, bool CLIP, bool GRAD>
 CRF_INLINE void value_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
-  const float wf = (float)w;
-  float loss = 0.0f, sv = 0.0f, sr = 0.0f;
-  int32_t n = 0, nc = 0;
-#pragma omp simd reduction(+ : loss, sv, sr, n, nc)
-  for (int64_t t = t0; t < t1; ++t) {
-    const bool m = a.mask[t];
-    const crf::ValueToken o = crf::value_token(a.v[t], a.old[t], a.ret[t], a.eps, CLIP);
-    if (GRAD) a.grad[t] = m ? o.dv * wf : 0.0f;
-    loss += m ? o.loss : 0.0f;
-    sv += m ? a.v[t] : 0.0f;
-    sr += m ? a.ret[t] : 0.0f;
-    n += m;
-    nc += m && o.clipped;
+  enum { L, V, R, E, N, C, Q, NB };  // masked per-token loss, v, R, e = R - v, 1, clipped; scratch
+  float buf[NB][crf::kChunk];
+  const int64_t n = t1 - t0;
+  const uint8_t* __restrict mask = reinterpret_cast<const uint8_t*>(a.mask) + t0;
+  const float* __restrict vp = a.v + t0;
+  const float* __restrict op = a.old + t0;
+  const float* __restrict rp = a.ret + t0;
+  float* __restrict grad = GRAD ? a.grad + t0 : nullptr;
+  const float wf = (float)w, eps = a.eps;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t mi = mask[i];
+    const bool m = mi != 0;
+    const float v = vp[i], r = rp[i], e = r - v;
+    const crf::ValueToken o = crf::value_token(v, CLIP ? op[i] : v, r, eps, CLIP);
+    const float gw = o.dv * wf;
+    if (GRAD) grad[i] = m ? gw : 0.0f;
+    buf[L][i] = m ? o.loss : 0.0f;
+    buf[V][i] = m ? v : 0.0f;
+    buf[R][i] = m ? r : 0.0f;
+    buf[E][i] = m ? e : 0.0f;
+    buf[N][i] = m ? 1.0f : 0.0f;
+    buf[C][i] = m ? o.clipped : 0.0f;
   }
-  p[kLoss] += w * (double)loss;
-  p[kTokens] += n;
-  p[kClipped] += nc;
-  p[kSumV] += sv;
-  p[kSumR] += sr;
+  const double nb = crf::lane_sum(buf[N], n);
+  if (nb <= 0.0) return;
+  // squared deviations of R and of e from the chunk's means (0 on masked tokens: buf[N] is 0 there)
+  double m2[2];
+  for (int k = 0; k < 2; ++k) {
+    const float* x = buf[k == 0 ? R : E];
+    const float mean = (float)(crf::lane_sum(x, n) / nb);
+    for (int64_t i = 0; i < n; ++i) {
+      const float d = x[i] - mean;
+      buf[Q][i] = buf[N][i] * (d * d);
+    }
+    m2[k] = crf::lane_sum(buf[Q], n);
+  }
+  const double n0 = p[kTokens];
+  p[kLoss] += w * crf::lane_sum(buf[L], n);
+  p[kClipped] += crf::lane_sum(buf[C], n);
+  p[kSumV] += crf::lane_sum(buf[V], n);
+  merge_moments(n0, p[kSumR], p[kM2R], nb, crf::lane_sum(buf[R], n), m2[0]);
+  merge_moments(n0, p[kSumE], p[kM2E], nb, crf::lane_sum(buf[E], n), m2[1]);
+  p[kTokens] = n0 + nb;
 }
 
 template <typename idx_t, bool CLIP, bool GRAD>
@@ -78,19 +120,6 @@ CRF_INLINE void value_blocks(const Args<idx_t>& a, int64_t b0, int64_t b1) {
         t0 = e;
       }
     }
-    // second pass over the (cached) block: squared deviations from the block means
-    const double inv = p[kTokens] > 0 ? 1.0 / p[kTokens] : 0.0;
-    const double mr = p[kSumR] * inv, me = (p[kSumR] - p[kSumV]) * inv;
-    double m2r = 0.0, m2e = 0.0;
-#pragma omp simd reduction(+ : m2r, m2e)
-    for (int64_t t = bos; t < eos; ++t) {
-      const double r = a.ret[t], dr = r - mr, de = (r - a.v[t]) - me;
-      m2r += a.mask[t] ? dr * dr : 0.0;
-      m2e += a.mask[t] ? de * de : 0.0;
-    }
-    p[kSumE] = p[kSumR] - p[kSumV];
-    p[kM2R] = m2r;
-    p[kM2E] = m2e;
   }
 }
 
@@ -103,6 +132,11 @@ template <typename idx_t, bool CLIP, bool GRAD>
 void value_blocks_base(const Args<idx_t>& a, int64_t b0, int64_t b1) {
   value_blocks<idx_t, CLIP, GRAD>(a, b0, b1);
 }
+
+}  // namespace
+#pragma GCC pop_options
+
+namespace {
 
 template <typename idx_t, bool CLIP, bool GRAD>
 void value_all(const Args<idx_t>& a, int64_t n_blocks) {

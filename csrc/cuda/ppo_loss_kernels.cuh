@@ -1,20 +1,35 @@
-// CUDA kernels of ppo_policy_loss (no torch headers: tests/test_aot.py compiles this file on its own).
+// CUDA kernels of ppo_policy_loss (no torch headers: tests/test_aot.py compiles this file on its own,
+// and tests/ops/test_ppo_loss.py runs it on the host through tests/cuda_host_emu.h).
 // Pass 1: each block of kTile tokens computes the per-token loss and gradient (csrc/common/ppo_math.h,
 // the same code the CPU kernel runs) and writes its partial sums to part[block]. Pass 2: one block adds
 // the partials in a fixed order. No float atomics, so results are bitwise deterministic.
 // The torch binding is csrc/cuda/ppo_loss.cu; semantics: compactionrl_fast/ops/ppo_loss.py.
 #pragma once
+#ifndef CRF_HOST_EMULATION
 #include <cuda_runtime.h>
+#endif
 
+#include <cmath>
 #include <cstdint>
 
 #include "../common/ppo_math.h"
 
+#ifndef CRF_LAUNCH
+#define CRF_LAUNCH(kernel, grid, block, stream, ...) kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
+#endif
+// Block shape; the host-emulation tests (tests/ops/losses_cuda_host.cpp) also build it small.
+#ifndef CRF_LOSS_THREADS
+#define CRF_LOSS_THREADS 256
+#endif
+#ifndef CRF_LOSS_ITEMS
+#define CRF_LOSS_ITEMS 4
+#endif
+
 namespace crf {
 namespace ppo_cuda {
 
-constexpr int kThreads = 256;
-constexpr int kItems = 4;                     // tokens per thread
+constexpr int kThreads = CRF_LOSS_THREADS;  // a power of two
+constexpr int kItems = CRF_LOSS_ITEMS;                     // tokens per thread
 constexpr int kTile = kThreads * kItems;      // tokens per block
 constexpr int kParts = 8;                     // loss, tokens, clipped, dual, kl, ratio_max, 2 unused
 
@@ -89,8 +104,8 @@ __global__ void __launch_bounds__(kThreads) ppo_loss_block_kernel(Params p) {
     if (p.grad != nullptr) p.grad[t] = m ? g * w : 0.f;
     loss += m ? l * w : 0.f;
     n += m;
-    nc += m && o.clipped;
-    nd += m && o.dual;
+    nc += m ? o.clipped : 0.f;
+    nd += m ? o.dual : 0.f;
     kl += m ? kl_term(x, o.ratio) : 0.f;
     rmax = (m && o.ratio > rmax) ? o.ratio : rmax;
   }
@@ -113,7 +128,7 @@ __global__ void __launch_bounds__(kThreads) ppo_loss_reduce_kernel(const float* 
   for (int64_t b = threadIdx.x; b < n_blocks; b += kThreads) {
 #pragma unroll
     for (int k = 0; k < 5; ++k) acc[k] += part[b * kParts + k];
-    acc[5] = fmax(acc[5], (double)part[b * kParts + 5]);
+    acc[5] = acc[5] > part[b * kParts + 5] ? acc[5] : (double)part[b * kParts + 5];
   }
   double tot[6];
 #pragma unroll
@@ -137,15 +152,11 @@ void launch(const Params& p, bool cu_is_int64, cudaStream_t stream) {
   const int64_t nb = n_blocks(p.T);
   if (nb > 0) {
     const bool tis = p.roll != nullptr;
-    if (cu_is_int64) {
-      if (tis) ppo_loss_block_kernel<int64_t, true><<<nb, kThreads, 0, stream>>>(p);
-      else ppo_loss_block_kernel<int64_t, false><<<nb, kThreads, 0, stream>>>(p);
-    } else {
-      if (tis) ppo_loss_block_kernel<int32_t, true><<<nb, kThreads, 0, stream>>>(p);
-      else ppo_loss_block_kernel<int32_t, false><<<nb, kThreads, 0, stream>>>(p);
-    }
+    auto k = cu_is_int64 ? (tis ? ppo_loss_block_kernel<int64_t, true> : ppo_loss_block_kernel<int64_t, false>)
+                         : (tis ? ppo_loss_block_kernel<int32_t, true> : ppo_loss_block_kernel<int32_t, false>);
+    CRF_LAUNCH(k, (unsigned)nb, kThreads, stream, p);
   }
-  ppo_loss_reduce_kernel<<<1, kThreads, 0, stream>>>(p.part, nb, p.loss, p.metrics);
+  CRF_LAUNCH(ppo_loss_reduce_kernel, 1u, kThreads, stream, p.part, nb, p.loss, p.metrics);
 }
 
 }  // namespace ppo_cuda

@@ -1,21 +1,36 @@
-// CUDA kernels of value_loss (no torch headers: tests/test_aot.py compiles this file on its own).
+// CUDA kernels of value_loss (no torch headers: tests/test_aot.py compiles this file on its own,
+// and tests/ops/test_value_loss.py runs it on the host through tests/cuda_host_emu.h).
 // Pass 1: each block of kTile tokens computes the per-token loss and gradient (csrc/common/ppo_math.h,
 // shared with the CPU kernel) and writes partials: loss, counts, sums and, for the explained variance,
 // (sum, sum of squared deviations from the block mean) of the returns and of returns - values. Pass 2:
 // one block merges the partials in a fixed order (Chan et al.), so results are bitwise deterministic.
 // The torch binding is csrc/cuda/value_loss.cu; semantics: compactionrl_fast/ops/value_loss.py.
 #pragma once
+#ifndef CRF_HOST_EMULATION
 #include <cuda_runtime.h>
+#endif
 
+#include <cmath>
 #include <cstdint>
 
 #include "../common/ppo_math.h"
 
+#ifndef CRF_LAUNCH
+#define CRF_LAUNCH(kernel, grid, block, stream, ...) kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
+#endif
+// Block shape; the host-emulation tests (tests/ops/losses_cuda_host.cpp) also build it small.
+#ifndef CRF_LOSS_THREADS
+#define CRF_LOSS_THREADS 256
+#endif
+#ifndef CRF_LOSS_ITEMS
+#define CRF_LOSS_ITEMS 4
+#endif
+
 namespace crf {
 namespace value_cuda {
 
-constexpr int kThreads = 256;
-constexpr int kItems = 4;
+constexpr int kThreads = CRF_LOSS_THREADS;  // a power of two
+constexpr int kItems = CRF_LOSS_ITEMS;
 constexpr int kTile = kThreads * kItems;
 constexpr int kParts = 8;  // loss, tokens, clipped, sum_v, sum_r, m2_r, sum_e, m2_e  (e = returns - values)
 
@@ -93,7 +108,7 @@ __global__ void __launch_bounds__(kThreads) value_loss_block_kernel(Params p) {
     if (p.grad != nullptr) p.grad[t] = m ? o.dv * w : 0.f;
     loss += m ? o.loss * w : 0.f;
     n += m;
-    nc += m && o.clipped;
+    nc += m ? o.clipped : 0.f;
     sv += m ? v : 0.f;
     sr += m ? r : 0.f;
     r_tok[i] = r;
@@ -104,7 +119,7 @@ __global__ void __launch_bounds__(kThreads) value_loss_block_kernel(Params p) {
   nc = block_sum(nc, smem);
   sv = block_sum(sv, smem);
   sr = block_sum(sr, smem);
-  const float mean_r = sr / fmaxf(n, 1.f), mean_e = (sr - sv) / fmaxf(n, 1.f);
+  const float mean_r = sr / (n > 1.f ? n : 1.f), mean_e = (sr - sv) / (n > 1.f ? n : 1.f);
   float m2r = 0.f, m2e = 0.f;
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
@@ -172,10 +187,10 @@ inline int64_t n_blocks(int64_t T) { return (T + kTile - 1) / kTile; }
 void launch(const Params& p, bool cu_is_int64, cudaStream_t stream) {
   const int64_t nb = n_blocks(p.T);
   if (nb > 0) {
-    if (cu_is_int64) value_loss_block_kernel<int64_t><<<nb, kThreads, 0, stream>>>(p);
-    else value_loss_block_kernel<int32_t><<<nb, kThreads, 0, stream>>>(p);
+    auto k = cu_is_int64 ? value_loss_block_kernel<int64_t> : value_loss_block_kernel<int32_t>;
+    CRF_LAUNCH(k, (unsigned)nb, kThreads, stream, p);
   }
-  value_loss_reduce_kernel<<<1, kThreads, 0, stream>>>(p.part, nb, p.loss, p.metrics);
+  CRF_LAUNCH(value_loss_reduce_kernel, 1u, kThreads, stream, p.part, nb, p.loss, p.metrics);
 }
 
 }  // namespace value_cuda

@@ -8,6 +8,7 @@ import torch
 import compactionrl_fast as crf
 from compactionrl_fast.ops._dispatch import available
 from compactionrl_fast.reference import losses as ref
+from tests.ops import _losses_cuda_host as host
 from tests.utils import SHAPE_TABLE, packed_batch, random_case
 
 # numpy warns on the inf/NaN the interpreter computes in masked-out lanes
@@ -255,6 +256,28 @@ def test_no_grad_and_half_precision_inputs(backend):
     loss, _ = crf.ppo_policy_loss(lp, x["old_logprobs"], x["advantages"], b["loss_mask"], backend=backend)
     loss.backward()
     assert lp.grad.dtype == torch.bfloat16 and lp.grad.shape == lp.shape
+
+
+# ---------------------------------------------------------------- CUDA kernels, run on the host
+
+
+@pytest.fixture(scope="module", params=host.SHAPES, ids=lambda s: f"block={s[0]}x{s[1]}")
+def cuda_host_lib(request, tmp_path_factory):
+    return host.build(tmp_path_factory.mktemp("losses_cuda_host"), *request.param), request.param[0]
+
+
+@pytest.mark.skipif("cpp" not in BACKENDS, reason="the cpp backend defines the op schema")
+@pytest.mark.parametrize("case", ["single_token", "empty_segments", "no_trainable", "long_multiblock"])
+def test_cuda_kernels_on_host_match_reference(monkeypatch, cuda_host_lib, case):
+    lib, threads = cuda_host_lib
+    if threads > 32 and case != "long_multiblock":
+        pytest.skip("the GPU block shape runs on the case that spans several blocks")
+    host.route_cpp_to_cuda_host(monkeypatch, lib)
+    b = packed_batch(SHAPE_TABLE[case], seed=len(case), index_dtype=torch.int64 if threads > 32 else torch.int32)
+    x = policy_inputs(b["loss_mask"].numel(), seed=len(case))
+    n = int(b["loss_mask"].sum())
+    for clip, red, denominator in SWEEP[:3] if threads > 32 else SWEEP:  # 256 host threads are slow
+        check_against_reference("cpp", b, x, CLIPS[clip], reduction=red, **(dict(denominator=n + 5) if denominator else {}))
 
 
 # ---------------------------------------------------------------- torch.compile

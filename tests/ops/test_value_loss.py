@@ -7,6 +7,7 @@ import torch
 import compactionrl_fast as crf
 from compactionrl_fast.ops._dispatch import available
 from compactionrl_fast.reference import losses as ref
+from tests.ops import _losses_cuda_host as host
 from tests.utils import SHAPE_TABLE, packed_batch, random_case
 
 # numpy warns on the inf/NaN the interpreter computes in masked-out lanes
@@ -99,7 +100,7 @@ def test_backend_matches_reference_shape_table(backend, case, index_dtype):
 @pytest.mark.parametrize("seed", range(3))
 def test_backend_matches_reference_random(backend, seed):
     b = packed_batch(random_case(seed), seed=seed, index_dtype=[torch.int32, torch.int64][seed % 2])
-    x = value_inputs(b["loss_mask"].numel(), seed=seed)
+    x = value_inputs(b["loss_mask"].numel(), seed=seed, offset=[0.0, 100.0, -3.0][seed])  # |R| >> |v - R| too
     for red in REDUCTIONS:
         check_against_reference(backend, b, x, clip=0.3, reduction=red)
 
@@ -115,6 +116,25 @@ def test_explained_variance_with_large_mean_does_not_cancel(backend):
     torch.testing.assert_close(m["value_mean"].double(), rm["value_mean"], rtol=1e-6, atol=0)
 
 
+@pytest.fixture(scope="module", params=host.SHAPES, ids=lambda s: f"block={s[0]}x{s[1]}")
+def cuda_host_lib(request, tmp_path_factory):
+    return host.build(tmp_path_factory.mktemp("losses_cuda_host"), *request.param), request.param[0]
+
+
+@pytest.mark.skipif("cpp" not in BACKENDS, reason="the cpp backend defines the op schema")
+@pytest.mark.parametrize("case", ["single_token", "no_trainable", "long_multiblock"])
+def test_cuda_kernels_on_host_match_reference(monkeypatch, cuda_host_lib, case):
+    lib, threads = cuda_host_lib
+    if threads > 32 and case != "long_multiblock":
+        pytest.skip("the GPU block shape runs on the case that spans several blocks")
+    host.route_cpp_to_cuda_host(monkeypatch, lib)
+    b = packed_batch(SHAPE_TABLE[case], seed=len(case), index_dtype=torch.int64 if threads > 32 else torch.int32)
+    x = value_inputs(b["loss_mask"].numel(), seed=len(case), offset=100.0)  # EV with a large mean
+    for red in REDUCTIONS[1:3] if threads > 32 else REDUCTIONS:  # 256 host threads are slow
+        check_against_reference("cpp", b, x, clip=0.2 if red != "sum" else None, reduction=red)
+    check_against_reference("cpp", b, x, clip=0.1, reduction="token-mean", denominator=7)
+
+
 @pytest.mark.parametrize("backend", BACKENDS + ["torch"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_fully_masked_batch_gives_zero_loss_and_gradient(backend, reduction):
@@ -125,7 +145,7 @@ def test_fully_masked_batch_gives_zero_loss_and_gradient(backend, reduction):
         x["returns"][::4] = float("inf")
     loss, m, grad = run_backend(backend, b, x, clip=0.2, reduction=reduction)
     assert loss.item() == 0.0 and (grad == 0).all()
-    assert all(float(v) == 0.0 for v in m.values())
+    assert all(v.item() == 0.0 for v in m.values())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

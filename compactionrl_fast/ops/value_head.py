@@ -132,8 +132,10 @@ def value_head(hidden, weight, bias=None, *, backend="auto"):
     weight = _check_head(hidden, weight, bias)
     device = hidden.device
     b = resolve_backend(backend, device, supported=("auto", "triton", "cpp", "torch"))
-    if backend == "auto" and device.type == "cpu" and b == "triton":
-        b = "torch"  # without the extension: the interpreter is for tests only
+    if backend == "auto" and device.type == "cpu":
+        # float32: BLAS gemv beats the C++ loop; half precision: the C++ loop (no float32 copy). The
+        # Triton interpreter is for tests only.
+        b = "cpp" if b == "cpp" and hidden.dtype != torch.float32 else "torch"
     return _ValueHead.apply(hidden.contiguous(), weight, bias, b)
 
 

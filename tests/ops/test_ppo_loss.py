@@ -231,16 +231,24 @@ def test_grad_flows_to_logprobs_only_and_scales_with_grad_output(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_second_backward_through_the_graph_fails_loudly(backend):
-    """The backward scales the saved gradient buffer in place (one [T] buffer in all); a second backward
-    with retain_graph=True must raise, not return a wrong gradient."""
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_repeated_backward_is_right_or_fails_loudly(backend, scale):
+    """The backward hands out the saved gradient buffer itself (one [T] buffer in all), scaled in place
+    unless the incoming gradient is 1. Backward passes through a retained graph must then give the
+    right accumulated gradient or raise (autograd's version counter), never a wrong one."""
     b = packed_batch(SHAPE_TABLE["odd_lengths"], seed=1)
     x = policy_inputs(b["loss_mask"].numel(), seed=1)
     lp = x["logprobs"].clone().requires_grad_()
     loss, _ = crf.ppo_policy_loss(lp, x["old_logprobs"], x["advantages"], b["loss_mask"], backend=backend)
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="inplace"):
-        loss.backward()
+    (scale * loss).backward(retain_graph=True)
+    g1 = lp.grad.clone()
+    for k in (2, 3):
+        try:
+            (scale * loss).backward(retain_graph=True)
+        except RuntimeError as e:
+            assert "inplace" in str(e)
+            break
+        torch.testing.assert_close(lp.grad, k * g1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

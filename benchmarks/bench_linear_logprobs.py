@@ -191,6 +191,7 @@ COLUMNS = [("shape", "shape", ""), ("name", "formulation", ""), ("median_ms", "m
 
 
 def run(shapes, device, *, budget_s=1.0):
+    H.environment(device)  # the tags (load average included) are taken now, before the first shape
     if device.type == "cpu":
         H.settle_malloc()
     rows = []

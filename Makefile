@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 PIP_DEPS = torch==2.13.0 triton numpy pytest pytest-benchmark transformers tokenizers tqdm pyyaml matplotlib ninja cmake
 
-.PHONY: install build test test-fast ctest bench demo clean
+.PHONY: install build test ctest bench bench-quick bench-rollout test-integrations demo clean
 
 install:            ## venv, dependencies, and the C++ extension
 	test -x $(PY) || python3 -m venv .venv
@@ -23,6 +23,20 @@ ctest:              ## the C++ tests through CMake
 
 bench:              ## every op's benchmark against its reference, table + JSON in benchmarks/results/
 	$(PY) -m benchmarks
+
+bench-quick:        ## CI-sized benchmark suite (about 1 min)
+	$(PY) -m benchmarks --quick
+
+bench-rollout:      ## rollouts/s and tokens/s of the embedded transformers engine on the memory task
+	$(PY) -m compactionrl_fast.rollout.bench --threads 1 --expert-warmup 300
+
+# verl 0.9.1 and TRL 1.12 (last with PPO) with the few packages their code paths import, into build/peers
+# (--no-deps: the venv's torch/transformers stay). OpenRLHF cannot install here (flash-attn needs CUDA).
+PEER_DEPS = verl==0.9.1 trl==1.12.0 omegaconf==2.4.0 antlr4-python3-runtime==4.13.2 ray==2.60.0 msgpack==1.2.4 protobuf==7.36.2 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 attrs==26.1.0 referencing==0.37.0 rpds-py==2026.9.1 tensordict==0.15.3 pyvers==0.2.3 cloudpickle==3.1.3 codetiming==1.4.0 orjson==3.13.0 torchdata==0.11.0 datasets==5.2.0 multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1 dill==0.4.1 xxhash==4.1.0 peft==0.21.2 accelerate==1.15.0 cachetools==8.0.2 uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-exporter-prometheus==0.66b2 opentelemetry-semantic-conventions==0.66b2 prometheus-client==0.26.0
+
+test-integrations:  ## the trainer adapters against the real verl and TRL (about 3 min, 570 MB in build/peers)
+	test -d build/peers || $(PY) -m pip install -q --no-deps --target build/peers $(PEER_DEPS)
+	PYTHONPATH=build/peers $(PY) -m pytest -q tests/integrations
 
 demo:               ## the CPU demo: SFT, CompactionRL, ablation, plots
 	$(PY) -m compactionrl_fast demo

@@ -456,3 +456,13 @@ def test_cuda_kernels_on_host_random_batches(monkeypatch, cuda_host_lib):
         b = packed_batch(random_case(seed, n_rollouts=5, max_len=150), seed=seed)
         for mode in MODES:
             _check_backend("cpp", b, gamma=0.99, lam=0.0 if seed == 2 else 0.95, cross_segment=mode)
+
+
+def test_cpp_multithread_path_matches_reference():
+    """A batch large enough (> 64K tokens, several rollouts) that the cpp kernel splits it across threads."""
+    if "cpp" not in BACKENDS:
+        pytest.skip("cpp extension not built")
+    case = [[(20_000, "rand"), (9_000, "rand")], [(30_000, "rand")], [(1, "all"), (25_000, "rand")], [(5, "none")]]
+    b = packed_batch(case, seed=11, index_dtype=torch.int64)
+    for mode in MODES:
+        _check_backend("cpp", b, gamma=0.99, lam=0.95, cross_segment=mode)

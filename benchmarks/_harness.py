@@ -248,3 +248,23 @@ def write_json(path, rows, **meta):
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
         f.write("\n")
+
+
+def report(title, rows, columns, env, notes, json_path=None):
+    """Print the table, the notes and the load average; with `json_path`, write JSON and a markdown copy."""
+    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | git {env['git']} | {env['date']} "
+          f"| load {env['loadavg_at_start']}")
+    print(format_table(rows, columns))
+    for n in notes:
+        print("note:", n)
+    load_end = [round(x, 2) for x in os.getloadavg()]
+    print(f"load average at the end: {load_end}")
+    if json_path:
+        cmd = command_line()
+        write_json(json_path, rows, command=cmd, env=env, loadavg_at_end=load_end, notes=notes)
+        md = os.path.splitext(json_path)[0] + ".md"
+        with open(md, "w") as f:
+            f.write(f"# {title}\n\nCommand: `{cmd}`\n\n"
+                    + "".join(f"- {k}: {v}\n" for k, v in env.items()) + f"- loadavg_at_end: {load_end}\n\n"
+                    + markdown_table(rows, columns) + "\n\n" + "".join(f"- {n}\n" for n in notes))
+        print(f"wrote {json_path} and {md}")

@@ -373,23 +373,7 @@ def main(argv=None):
              "minutes for 1M tokens. 'per-step loop' times the loop on the padded layout (padding untimed), "
              "peak memory not profiled (L x ~8 ops). 'C scan' is single-threaded; segment_gae cpp uses "
              f"{torch.get_num_threads()} threads."]
-    text = H.format_table(rows, columns)
-    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | git {env['git']} | {env['date']} "
-          f"| load {env['loadavg_at_start']}")
-    print(text)
-    for n in notes:
-        print("note:", n)
-    load_end = [round(x, 2) for x in os.getloadavg()]
-    print(f"load average at the end: {load_end}")
-    if args.json:
-        cmd = H.command_line()
-        H.write_json(args.json, rows, command=cmd, env=env, loadavg_at_end=load_end, notes=notes)
-        md = os.path.splitext(args.json)[0] + ".md"
-        with open(md, "w") as f:
-            f.write(f"# segment_gae benchmark ({device.type})\n\nCommand: `{cmd}`\n\n"
-                    + "".join(f"- {k}: {v}\n" for k, v in env.items()) + f"- loadavg_at_end: {load_end}\n\n"
-                    + H.markdown_table(rows, columns) + "\n\n" + "".join(f"- {n}\n" for n in notes))
-        print(f"wrote {args.json} and {md}")
+    H.report(f"segment_gae benchmark ({device.type})", rows, columns, env, notes, args.json)
     return rows
 
 

@@ -224,23 +224,7 @@ def main(argv=None):
              "chunked: default chunk size (CPU 2^24 logits per chunk, CUDA 2^28); backward recomputes each "
              "chunk's logits (4 matmuls). fused = linear_logprobs_loss (3 matmuls).",
              "TFLOP/s = 6 T H V / time for every row (the naive backward's 3 matmuls)."]
-    text = H.format_table(rows, COLUMNS)
-    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | git {env['git']} | {env['date']} "
-          f"| load {env['loadavg_at_start']}")
-    print(text)
-    for n in notes:
-        print("note:", n)
-    load_end = [round(x, 2) for x in os.getloadavg()]
-    print(f"load average at the end: {load_end}")
-    if args.json:
-        cmd = H.command_line()
-        H.write_json(args.json, rows, command=cmd, env=env, loadavg_at_end=load_end, notes=notes)
-        md = os.path.splitext(args.json)[0] + ".md"
-        with open(md, "w") as f:
-            f.write(f"# linear_logprobs benchmark ({device.type})\n\nCommand: `{cmd}`\n\n"
-                    + "".join(f"- {k}: {v}\n" for k, v in env.items()) + f"- loadavg_at_end: {load_end}\n\n"
-                    + H.markdown_table(rows, COLUMNS) + "\n\n" + "".join(f"- {n}\n" for n in notes))
-        print(f"wrote {args.json} and {md}")
+    H.report(f"linear_logprobs benchmark ({device.type})", rows, COLUMNS, env, notes, args.json)
     return rows
 
 

@@ -307,23 +307,7 @@ def main(argv=None):
              "it by one float32 [T] buffer (4 bytes/token).",
              f"CPU value head shapes are smaller than [128x8192]x4096, which needs 16-48 GiB; threads: "
              f"{torch.get_num_threads()}."]
-    text = H.format_table(rows, columns)
-    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | git {env['git']} | {env['date']} "
-          f"| load {env['loadavg_at_start']}")
-    print(text)
-    for n in notes:
-        print("note:", n)
-    load_end = [round(v, 2) for v in os.getloadavg()]
-    print(f"load average at the end: {load_end}")
-    if args.json:
-        cmd = H.command_line()
-        H.write_json(args.json, rows, command=cmd, env=env, loadavg_at_end=load_end, notes=notes)
-        md = os.path.splitext(args.json)[0] + ".md"
-        with open(md, "w") as f:
-            f.write(f"# fused losses benchmark ({device.type})\n\nCommand: `{cmd}`\n\n"
-                    + "".join(f"- {k}: {v}\n" for k, v in env.items()) + f"- loadavg_at_end: {load_end}\n\n"
-                    + H.markdown_table(rows, columns) + "\n\n" + "".join(f"- {n}\n" for n in notes))
-        print(f"wrote {args.json} and {md}")
+    H.report(f"fused losses benchmark ({device.type})", rows, columns, env, notes, args.json)
     return rows
 
 

@@ -137,7 +137,7 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    t0 = time.time()
+    t0, c0 = time.time(), time.process_time()
     tok, make_envs, rcfg = task(cfg)
     results = {"command": "python -m compactionrl_fast " + " ".join(argv), "config": to_dict(cfg),
                "machine": _machine(), "runs": {}}
@@ -166,6 +166,8 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
             _print_eval(f"seed {seed} {vname}", res[vname])
             plot_run(vcfg.run_dir)
     results["total_time_s"] = time.time() - t0
+    results["cpu_time_s"] = time.process_time() - c0  # this process, all threads
+    results["machine"]["loadavg_end"] = os.getloadavg()
     results["summary"] = _summary(results)
     _write(results, out_dir, name)
     print(_table(results))
@@ -221,7 +223,9 @@ def _write(results, out_dir, name):
         json.dump(results, f, indent=1, default=str)
     t = results["summary"]["targets"]
     md = [f"# CPU demo ({name})", "", f"Command: `{results['command']}`", "",
-          f"Machine: {results['machine']}; total {results['total_time_s'] / 60:.1f} min.", "",
+          f"Machine: {results['machine']}; total {results['total_time_s'] / 60:.1f} min wall, "
+          f"{results['cpu_time_s'] / 60:.1f} min CPU (load averages at start and end show how shared the machine was).",
+          "",
           "Evaluation: held-out tasks, success = exact answer; summary recall = fraction of summaries that "
           "hold every digit seen before them.", "", _table(results), "",
           "Targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in t.items()), ""]

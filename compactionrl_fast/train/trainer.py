@@ -232,15 +232,19 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
     if update_actor:
         actor.train()
         minibatches = minibatches or [list(range(len(batches)))]
-        old = None
-        if cfg.ppo_epochs * len(minibatches) > 1:  # several steps: freeze the behaviour log-probs first
-            with torch.no_grad():
-                old = [actor_logprobs(actor, b, i, temperature=cfg.temperature) for b, i in zip(batches, idx)]
+        # behaviour log-probs, frozen before the first actor step; the first mini-batch of a single epoch
+        # is trained before any step, so its live log-probs (detached) are the behaviour ones
+        skip = set(minibatches[0]) if cfg.ppo_epochs == 1 else set()
+        old = [None] * len(batches)
+        with torch.no_grad():
+            for i, b in enumerate(batches):
+                if i not in skip and any(i in mb for mb in minibatches):
+                    old[i] = actor_logprobs(actor, b, idx[i], temperature=cfg.temperature)
         acc = _Mean()
         for _ in range(cfg.ppo_epochs):
             for mb in minibatches:
                 sub = lambda xs: [xs[j] for j in mb]  # noqa: E731
-                acc.add(_actor_update(state, sub(batches), sub(idx), sub(adv), sub(old) if old else None), 1.0)
+                acc.add(_actor_update(state, sub(batches), sub(idx), sub(adv), sub(old)), 1.0)
         out.update(acc.result())
     # ---- diagnostics on the whole local batch
     if diagnose:
@@ -259,9 +263,9 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
     return out
 
 
-def _actor_update(state, batches, idx, adv, old=None) -> dict:
-    """One actor optimiser step over micro-batches; `old` behaviour log-probs [N] each (None: the current
-    policy, detached, i.e. ratio 1 in value with the policy gradient as its gradient)."""
+def _actor_update(state, batches, idx, adv, old) -> dict:
+    """One actor optimiser step over micro-batches; `old`: behaviour log-probs [N] per micro-batch, None
+    where the current policy is the behaviour policy (its log-probs detached: ratio 1 in value)."""
     from ..ops import ppo_policy_loss
 
     cfg, actor, group = state.cfg, state.actor, state.group
@@ -274,7 +278,7 @@ def _actor_update(state, batches, idx, adv, old=None) -> dict:
         logp, ent = actor_logprobs(actor, b, idx[i], temperature=cfg.temperature, return_entropy=True)
         cu, m = sel_p[i]
         rollout_lp = b.rollout_logprobs[idx[i]].float()
-        loss, met = ppo_policy_loss(logp, logp.detach() if old is None else old[i], adv[i][idx[i]], m,
+        loss, met = ppo_policy_loss(logp, logp.detach() if old[i] is None else old[i], adv[i][idx[i]], m,
                                     cu_seqlens=cu, cu_segments=b.cu_segments, clip_low=cfg.clip_low,
                                     clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
                                     rollout_logprobs=rollout_lp if cfg.tis_cap else None, tis_cap=cfg.tis_cap,

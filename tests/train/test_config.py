@@ -16,7 +16,8 @@ def test_paper_defaults():
 
 def test_demo_overrides():
     c = demo_config(steps=7)
-    assert (c.actor_lr, c.critic_lr, c.value_pretrain_steps, c.rollouts_per_step, c.steps) == (1e-4, 5e-4, 10, 64, 7)
+    assert (c.actor_lr, c.critic_lr, c.value_pretrain_steps, c.rollouts_per_step, c.steps) == (3e-4, 1e-3, 10, 64, 7)
+    assert c.sft.steps > 0 and c.train_summary_tokens
 
 
 def test_yaml_then_flags_then_set(tmp_path):

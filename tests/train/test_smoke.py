@@ -48,3 +48,9 @@ def test_demo_protocol_writes_results(tmp_path):
         assert set(r[k]) == {"sampled", "greedy"} and 0.0 <= r[k]["sampled"]["success"] <= 1.0
     assert set(res["summary"]["targets"]) == {"sft_greedy_le_0.1", "full_ge_0.9_every_seed", "ablation_ge_0.3_below"}
     assert "| 0 | CompactionRL |" in open(tmp_path / "res" / "d.md").read()
+
+
+def test_cli_lists_the_commands(capsys):
+    assert cli.main([]) == 2
+    out = capsys.readouterr().out
+    assert all(c in out for c in ("demo", "train", "plot", "bench"))

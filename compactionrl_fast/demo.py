@@ -70,7 +70,7 @@ def run_sft(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, log=None, progress
     pack = packer(cfg)
     expert = ScriptedExpert(s.expert_drop_p, seed=cfg.seed * 1009 + rank)
     device = next(actor.parameters()).device
-    n = max(s.segments_per_step // 5, 1)  # the task's rollouts hold 5 segments each
+    n = s.rollouts_per_step
     n_local = max(n // ws, 1)
     bar = _tqdm(total=s.steps, desc=f"SFT    seed {cfg.seed}", disable=not progress or rank != 0)
     m = {}

@@ -1,5 +1,7 @@
 """Data parallel: a 2-process gloo step (each rank half the rollouts, in micro-batches) gives the same
-weights as a 1-process step on the whole global batch, for token-mean and segment-mean losses."""
+gradients and weights as a 1-process step on the whole global batch, for token-mean and segment-mean
+losses. Gradients are compared too: Adam's update hides a wrong gradient scale (e.g. averaging instead
+of summing over ranks)."""
 import copy
 import os
 
@@ -19,7 +21,7 @@ N = 8
 
 
 def _cfg(reduction):
-    return TrainConfig(actor_lr=1e-3, critic_lr=1e-3, critic_updates_per_step=2, max_grad_norm=1.0,
+    return TrainConfig(actor_lr=1e-3, critic_lr=1e-3, critic_updates_per_step=2, max_grad_norm=None,
                        loss_reduction=reduction, clip_high=0.28)
 
 
@@ -27,7 +29,9 @@ def _step(reduction, groups):
     actor, critic = tiny_models(seed=3)
     state = make_state(_cfg(reduction), actor, critic)
     train_step(state, [pack(g, prefix_sharing=True) for g in groups], diagnose=False)
-    return {"actor": copy.deepcopy(actor.state_dict()), "critic": copy.deepcopy(critic.state_dict())}
+    grads = lambda m: {k: p.grad.clone() for k, p in m.named_parameters()}  # noqa: E731 (the last update's)
+    return {"actor": copy.deepcopy(actor.state_dict()), "critic": copy.deepcopy(critic.state_dict()),
+            "actor_grad": grads(actor), "critic_grad": grads(critic)}
 
 
 def _worker(rank, world, init_file, out_dir):
@@ -54,7 +58,7 @@ def test_two_process_step_equals_one_process_step(tmp_path):
         ref = _step(red, [rollouts])
         for rank in (0, 1):
             got = torch.load(tmp_path / f"rank{rank}.pt")[red]
-            for model in ("actor", "critic"):
+            for model in ("actor", "critic", "actor_grad", "critic_grad"):
                 for k, v in ref[model].items():
                     torch.testing.assert_close(got[model][k], v, atol=1e-6, rtol=1e-5,
                                                msg=lambda m: f"{red} {model}.{k} rank {rank}: {m}")

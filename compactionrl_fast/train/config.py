@@ -30,7 +30,7 @@ class ModelConfig:
 class SFTConfig:
     """Supervised warm start on the scripted expert's demonstrations (fresh ones every step)."""
     steps: int = 0
-    segments_per_step: int = 64
+    rollouts_per_step: int = 16  # expert demonstrations per step (all ranks together)
     lr: float = 2e-3
     warmup_steps: int = 20
     min_lr_ratio: float = 0.05  # cosine decay to lr * min_lr_ratio
@@ -102,7 +102,7 @@ def demo_config(**overrides) -> TrainConfig:
         run_dir="runs/demo", threads=1, rollouts_per_step=64, ppo_minibatches=2, steps=60, value_pretrain_steps=10,
         actor_lr=3e-4, critic_lr=1e-3, clip_high=0.2, max_grad_norm=1.0, micro_batch_tokens=1 << 30,
         gap_every=10, checkpoint_every=0,
-        sft=SFTConfig(steps=1000, segments_per_step=80, lr=2e-3, expert_drop_p=0.6),
+        sft=SFTConfig(steps=1000, rollouts_per_step=16, lr=2e-3, expert_drop_p=0.6),
     )
     return update(cfg, overrides)
 

@@ -63,7 +63,7 @@ def tiny_train_config(run_dir, **kw):
     base = dict(run_dir=str(run_dir), rollouts_per_step=4, value_pretrain_steps=1, steps=2, actor_lr=1e-3,
                 critic_lr=1e-3, gap_every=1, checkpoint_every=0, progress=False, threads=0, eval_rollouts=8,
                 model=ModelConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_positions=128),
-                sft=SFTConfig(steps=2, segments_per_step=10, warmup_steps=1),
+                sft=SFTConfig(steps=2, rollouts_per_step=2, warmup_steps=1),
                 env=dict(n_digits=3, n_fillers=4),
                 rollout=dict(budget=64, compact_threshold=20, max_response_tokens=6, summary_max_tokens=6))
     base.update(kw)

@@ -8,7 +8,7 @@ from compactionrl_fast import cli, demo
 from ._tiny import tiny_train_config
 
 TINY = ["--set", "model.hidden_size=16", "--set", "model.num_layers=1", "--set", "model.num_heads=2",
-        "--set", "model.intermediate_size=32", "--set", "sft.steps=2", "--set", "sft.segments_per_step=10",
+        "--set", "model.intermediate_size=32", "--set", "sft.steps=2", "--set", "sft.rollouts_per_step=2",
         "--set", "env.n_digits=3", "--set", "env.n_fillers=4", "--set", "rollout.budget=64",
         "--set", "rollout.compact_threshold=20", "--set", "rollout.max_response_tokens=6",
         "--set", "rollout.summary_max_tokens=6", "--rollouts-per-step", "4", "--value-pretrain-steps", "1",

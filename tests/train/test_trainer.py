@@ -57,7 +57,9 @@ def test_micro_batches_equal_one_batch():
         actor, critic = tiny_models()
         state = make_state(_cfg(critic_updates_per_step=2, loss_reduction="token-mean"), actor, critic)
         m = train_step(state, [pack(g, prefix_sharing=True) for g in groups], diagnose=False)
-        outs.append((copy.deepcopy(actor.state_dict()), copy.deepcopy(critic.state_dict()), m))
+        # gradients of the last update, then weights (Adam alone would hide a wrong gradient scale)
+        outs.append(({k: p.grad.clone() for k, p in [*actor.named_parameters(), *critic.named_parameters()]},
+                     {**actor.state_dict(), **{"c." + k: v for k, v in critic.state_dict().items()}}, m))
     for k in outs[0][0]:
         torch.testing.assert_close(outs[0][0][k], outs[1][0][k], atol=1e-6, rtol=1e-5)
     for k in outs[0][1]:

@@ -34,10 +34,18 @@ def _tqdm(**kw):
 
 
 def task(cfg: TrainConfig):
-    """(tokenizer, make_envs, rollout config) of the built-in memory task from cfg.env / cfg.rollout."""
+    """(tokenizer, make_envs, rollout config) of the built-in memory task from cfg.env / cfg.rollout.
+
+    The task's word tokenizer, or the pretrained model's own (the task is plain words and its chat
+    template formats the conversation)."""
     from .envs.memory import MemoryEnv, memory_config, memory_tokenizer
 
-    tok = memory_tokenizer()
+    if cfg.model.pretrained:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(cfg.model.pretrained)
+    else:
+        tok = memory_tokenizer()
     rcfg = memory_config(**cfg.rollout)
     return tok, (lambda n: [MemoryEnv(**cfg.env) for _ in range(n)]), rcfg
 
@@ -100,8 +108,10 @@ def run_rl(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, progress=True, resu
     total = cfg.value_pretrain_steps + cfg.steps
     desc = ("RL-abl " if not cfg.train_summary_tokens else "RL     ") + f"seed {cfg.seed}"
     bar = _tqdm(total=total, initial=state.step, desc=desc, disable=not progress or world()[0] != 0)
+    recall = (lambda ro: {"summary_recall": summary_recall(ro)}) if not cfg.model.pretrained else None
     fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=packer(cfg),
-        run_dir=cfg.run_dir, log=MetricsLog(cfg.run_dir, resume_step=state.step if resume else None), progress=bar)
+        run_dir=cfg.run_dir, log=MetricsLog(cfg.run_dir, resume_step=state.step if resume else None), progress=bar,
+        metrics_fn=recall)
     bar.close()
     if world()[0] == 0:
         save_state(state, cfg.run_dir)
@@ -235,7 +245,7 @@ def _write(results, out_dir, name):
 
 
 def _curves(results, path):
-    """Training success of the full method and the ablation, per seed."""
+    """Training success and summary recall of the full method and the ablation, per seed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -244,20 +254,23 @@ def _curves(results, path):
     from .train.plots import read_metrics
 
     run_dir = results["config"]["run_dir"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.15, top=0.9, wspace=0.25)
     for seed in results["runs"]:
         for v, style in (("full", "-"), ("ablation", "--")):
             p = os.path.join(run_dir, f"seed{seed}", v, "metrics.jsonl")
             if os.path.isfile(p):
                 rows = [r for r in read_metrics(p) if r.get("phase") == "ppo"]
-                ax.plot([r["actor_step"] for r in rows], [r["success"] for r in rows], style, label=f"{v} seed {seed}")
-    ax.set_xlabel("actor update")
-    ax.set_ylabel("training success (T=1)")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+                for ax, key in zip(axes, ("success", "summary_recall")):
+                    ax.plot([r["actor_step"] for r in rows], [r.get(key) for r in rows], style,
+                            label=f"{v} seed {seed}")
+    for ax, title in zip(axes, ("training success (T=1)", "summaries holding every digit seen")):
+        ax.set_xlabel("actor update", fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 

@@ -8,7 +8,7 @@ import json
 import os
 
 PANELS = {
-    "reward": ["reward", "success", "eval/success", "eval/success_greedy"],
+    "reward": ["reward", "success", "summary_recall", "info/accuracy"],
     "compaction": ["compactions_per_rollout", "summary_length", "tokens_exec_per_rollout",
                    "tokens_summary_per_rollout"],
     "losses": ["actor/policy_loss", "critic/value_loss", "actor/grad_norm", "critic_grad_norm"],

@@ -413,13 +413,14 @@ def evaluate(engine, make_envs, tokenizer, rollout_cfg, n: int, *, temperature: 
 
 
 def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_dir: str, log: MetricsLog | None = None,
-        progress=None, eval_fn=None, chat=None) -> State:
+        progress=None, eval_fn=None, metrics_fn=None, chat=None) -> State:
     """Value pre-training then PPO, from `state.step` to `value_pretrain_steps + steps` iterations.
 
     Args:
         engine: generation engine sharing (or loading) the actor's weights.
         make_envs: n -> list of n environments. rollout_cfg: RolloutConfig.
         pack: rollouts -> PackedBatch. eval_fn: (state) -> dict, called every cfg.eval_every actor steps.
+        metrics_fn: rollouts -> dict of task-specific metrics logged with each step (this rank's rollouts).
     """
     from ..rollout.loop import run_rollouts
 
@@ -448,6 +449,8 @@ def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_di
         if ws > 1:  # the fixed keys are averaged over ranks; the environments' info keys stay rank 0's
             rm.update({k: global_sum(v, state.group) / ws for k, v in rm.items() if not k.startswith("info/")})
         metrics.update(rm)
+        if metrics_fn is not None:
+            metrics.update(metrics_fn(rollouts))
         metrics.update({"phase": "value_pretrain" if pretrain else "ppo", "time/rollout_s": t1 - t0,
                         "time/train_s": t2 - t1, "actor_step": max(0, it + 1 - cfg.value_pretrain_steps)})
         state.step = it + 1

@@ -21,6 +21,7 @@ import torch
 
 from .train import checkpoint
 from .train.config import TrainConfig, dumps, to_dict, update
+from .train.threads import make_tuner, maybe_step
 from .train.trainer import (EVAL_SEED_BASE, MetricsLog, evaluate, fit, load_state, make_state, save_state,
                             split_rollouts, world)
 
@@ -66,7 +67,7 @@ def build(cfg: TrainConfig, tok, device="cpu"):
                        eos_token_id=tok.eos_token_id)
 
 
-def run_sft(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, log=None, progress=True):
+def run_sft(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, log=None, progress=True, tuner=None):
     """Supervised warm start on fresh expert demonstrations every step."""
     from .envs.memory import ScriptedExpert
     from .rollout.loop import run_rollouts
@@ -83,19 +84,20 @@ def run_sft(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, log=None, progress
     bar = _tqdm(total=s.steps, desc=f"SFT    seed {cfg.seed}", disable=not progress or rank != 0)
     m = {}
     for step in range(s.steps):
-        seeds = [SFT_SEED_BASE + (cfg.seed * 100_003 + step) * n + rank * n_local + i for i in range(n_local)]
-        demos = run_rollouts(expert, make_envs(n_local), tok, rcfg, seeds)
-        batches = [pack(g).to(device) for g in split_rollouts(demos, cfg.micro_batch_tokens)]
-        m = sft.sft_step(actor, opt, batches, s, lr=sft.lr_at(step, s.steps, s))
+        with maybe_step(tuner) as threads:
+            seeds = [SFT_SEED_BASE + (cfg.seed * 100_003 + step) * n + rank * n_local + i for i in range(n_local)]
+            demos = run_rollouts(expert, make_envs(n_local), tok, rcfg, seeds)
+            batches = [pack(g).to(device) for g in split_rollouts(demos, cfg.micro_batch_tokens)]
+            m = sft.sft_step(actor, opt, batches, s, lr=sft.lr_at(step, s.steps, s))
         if log is not None and (step % 10 == 0 or step == s.steps - 1):
-            log.log(step, m)
+            log.log(step, {**m, "threads": threads})
         bar.update(1)
-        bar.set_postfix(loss=f"{m['sft/loss']:.3f}")
+        bar.set_postfix(loss=f"{m['sft/loss']:.3f}", thr=threads)
     bar.close()
     return m
 
 
-def run_rl(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, progress=True, resume=False):
+def run_rl(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, progress=True, resume=False, tuner=None):
     """Critic from the actor, value pre-training, PPO. Returns the trained State."""
     from .rollout.engines.transformers_engine import TransformersEngine
     from .train.model import critic_from_actor
@@ -111,7 +113,7 @@ def run_rl(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, progress=True, resu
     recall = (lambda ro: {"summary_recall": summary_recall(ro)}) if not cfg.model.pretrained else None
     fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=packer(cfg),
         run_dir=cfg.run_dir, log=MetricsLog(cfg.run_dir, resume_step=state.step if resume else None), progress=bar,
-        metrics_fn=recall)
+        metrics_fn=recall, tuner=tuner)
     bar.close()
     if world()[0] == 0:
         save_state(state, cfg.run_dir)
@@ -145,12 +147,11 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
     """The whole demo; writes OUT/NAME.json, OUT/NAME.md, OUT/NAME.png and per-run plots."""
     from .train.plots import plot_run
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    tuner = make_tuner(cfg.threads)
     t0, c0 = time.time(), time.process_time()
     tok, make_envs, rcfg = task(cfg)
     results = {"command": "python -m compactionrl_fast " + " ".join(argv), "config": to_dict(cfg),
-               "machine": _machine(), "runs": {}}
+               "machine": _machine(cfg.threads), "runs": {}}
     for seed in seeds:
         scfg = update(cfg, {"seed": seed})
         root = os.path.join(cfg.run_dir, f"seed{seed}")
@@ -159,7 +160,7 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
         actor = build(scfg, tok)
         os.makedirs(root, exist_ok=True)
         sft_m = run_sft(update(scfg, {"run_dir": os.path.join(root, "sft")}), actor, tok, make_envs, rcfg,
-                        log=MetricsLog(os.path.join(root, "sft")))
+                        log=MetricsLog(os.path.join(root, "sft")), tuner=tuner)
         res["sft_time_s"] = time.time() - t
         res["sft_final_loss"] = sft_m.get("sft/loss")
         sft_weights = copy.deepcopy(actor.state_dict())
@@ -170,7 +171,7 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
             t = time.time()
             actor.load_state_dict(sft_weights)
             vcfg = update(scfg, {"run_dir": os.path.join(root, vname), "train_summary_tokens": train_summaries})
-            run_rl(vcfg, actor, tok, make_envs, rcfg)
+            run_rl(vcfg, actor, tok, make_envs, rcfg, tuner=tuner)
             res[f"{vname}_time_s"] = time.time() - t
             res[vname] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature)
             _print_eval(f"seed {seed} {vname}", res[vname])
@@ -178,6 +179,8 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
     results["total_time_s"] = time.time() - t0
     results["cpu_time_s"] = time.process_time() - c0  # this process, all threads
     results["machine"]["loadavg_end"] = os.getloadavg()
+    if tuner is not None:  # which thread count won each probing window
+        results["machine"]["threads_chosen"] = [best for _, _, best in tuner.history]
     results["summary"] = _summary(results)
     _write(results, out_dir, name)
     print(_table(results))
@@ -185,13 +188,28 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
     return results
 
 
-def _machine() -> dict:
+def _git_rev():
+    """Short commit of the checkout the demo runs from ("+dirty" with local changes), or None."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (rev + ("+dirty" if dirty else "")) or None
+
+
+def _machine(threads) -> dict:
     try:
         load = os.getloadavg()
     except OSError:
         load = None
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "loadavg_start": load}
+    return {"git": _git_rev(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "torch_threads": threads or torch.get_num_threads(), "torch": torch.__version__, "loadavg_start": load}
 
 
 def _print_eval(label, ev):
@@ -290,8 +308,7 @@ def _init_distributed(cfg: TrainConfig):
 
 def train(cfg: TrainConfig, *, resume: bool = True):
     """SFT (when cfg.sft.steps > 0 and no checkpoint exists) then value pre-training and PPO."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    tuner = make_tuner(cfg.threads)
     _init_distributed(cfg)
     rank, _ = world()
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
@@ -308,10 +325,10 @@ def train(cfg: TrainConfig, *, resume: bool = True):
             actor.load_state_dict(torch.load(sft_path))
         else:
             run_sft(cfg, actor, tok, make_envs, rcfg, log=MetricsLog(os.path.join(cfg.run_dir, "sft")),
-                    progress=cfg.progress)
+                    progress=cfg.progress, tuner=tuner)
             if rank == 0:
                 torch.save(actor.state_dict(), sft_path)
-    state = run_rl(cfg, actor, tok, make_envs, rcfg, progress=cfg.progress, resume=resume)
+    state = run_rl(cfg, actor, tok, make_envs, rcfg, progress=cfg.progress, resume=resume, tuner=tuner)
     if rank == 0:
         from .train.plots import plot_run
 

@@ -45,7 +45,7 @@ class TrainConfig:
     seed: int = 0
     run_dir: str = "runs/compactionrl"
     device: str = "auto"  # auto | cpu | cuda
-    threads: int = 0  # torch CPU threads (0 keeps torch's default)
+    threads: Union[int, str] = 0  # torch CPU threads: 0 keeps torch's default; "auto" times steps (train/threads.py)
     # batch
     rollouts_per_step: int = 128  # global batch of rollouts (all ranks together)
     group_size: int = 1  # rollouts per task; 1 = no group baseline, the critic is the baseline
@@ -97,9 +97,8 @@ def demo_config(**overrides) -> TrainConfig:
     """The CPU demo (DEMO-NOTES.md, retuned here): tiny model, SFT warm start on an expert whose summaries
     drop the oldest digit 60% of the time, then 64 rollouts a step in 2 actor mini-batches, lr 3e-4/1e-3."""
     cfg = TrainConfig(
-        # one thread: the demo's matrices are tiny, and on the shared 2-core machine a second OpenMP
-        # thread mostly waits (measured 2-7x slower steps at load 3-4)
-        run_dir="runs/demo", threads=1, rollouts_per_step=64, ppo_minibatches=2, steps=60, value_pretrain_steps=10,
+        # "auto": 2 threads are ~1.65x faster on the idle 2-core machine, 2-7x slower when it is shared
+        run_dir="runs/demo", threads="auto", rollouts_per_step=64, ppo_minibatches=2, steps=60, value_pretrain_steps=10,
         actor_lr=3e-4, critic_lr=1e-3, clip_high=0.2, max_grad_norm=1.0, micro_batch_tokens=1 << 30,
         gap_every=10, checkpoint_every=0,
         sft=SFTConfig(steps=1000, rollouts_per_step=16, lr=2e-3, expert_drop_p=0.6),

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from . import checkpoint, diagnostics
 from .config import TrainConfig, to_dict
 from .model import action_index, actor_logprobs, critic_hidden
+from .threads import maybe_step
 
 # ----------------------------------------------------------------------------------------------
 # distributed helpers (no-ops in a single process)
@@ -413,7 +414,7 @@ def evaluate(engine, make_envs, tokenizer, rollout_cfg, n: int, *, temperature: 
 
 
 def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_dir: str, log: MetricsLog | None = None,
-        progress=None, eval_fn=None, metrics_fn=None, chat=None) -> State:
+        progress=None, eval_fn=None, metrics_fn=None, chat=None, tuner=None) -> State:
     """Value pre-training then PPO, from `state.step` to `value_pretrain_steps + steps` iterations.
 
     Args:
@@ -421,6 +422,7 @@ def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_di
         make_envs: n -> list of n environments. rollout_cfg: RolloutConfig.
         pack: rollouts -> PackedBatch. eval_fn: (state) -> dict, called every cfg.eval_every actor steps.
         metrics_fn: rollouts -> dict of task-specific metrics logged with each step (this rank's rollouts).
+        tuner: a `threads.ThreadTuner` that sets the CPU thread count of each step (None: leave it).
     """
     from ..rollout.loop import run_rollouts
 
@@ -435,16 +437,17 @@ def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_di
     while state.step < total:
         it = state.step
         pretrain = it < cfg.value_pretrain_steps
-        t0 = time.perf_counter()
-        # the sampling seed is a function of the step too: a resumed run draws the same rollouts
-        rcfg = rollout_cfg.replace(temperature=cfg.temperature, seed=(cfg.seed * 100_003 + it) * 1009 + rank)
-        rollouts = run_rollouts(engine, make_envs(n_local), tokenizer, rcfg, train_seeds(cfg, it, rank, n_local),
-                                chat=chat)
-        t1 = time.perf_counter()
-        batches, minibatches = micro_batches(rollouts, cfg, pack, device)
-        gap = bool(cfg.gap_every) and (it % cfg.gap_every == 0)
-        metrics = train_step(state, batches, update_actor=not pretrain, gap=gap, minibatches=minibatches)
-        t2 = time.perf_counter()
+        with maybe_step(tuner) as threads:
+            t0 = time.perf_counter()
+            # the sampling seed is a function of the step too: a resumed run draws the same rollouts
+            rcfg = rollout_cfg.replace(temperature=cfg.temperature, seed=(cfg.seed * 100_003 + it) * 1009 + rank)
+            rollouts = run_rollouts(engine, make_envs(n_local), tokenizer, rcfg,
+                                    train_seeds(cfg, it, rank, n_local), chat=chat)
+            t1 = time.perf_counter()
+            batches, minibatches = micro_batches(rollouts, cfg, pack, device)
+            gap = bool(cfg.gap_every) and (it % cfg.gap_every == 0)
+            metrics = train_step(state, batches, update_actor=not pretrain, gap=gap, minibatches=minibatches)
+            t2 = time.perf_counter()
         rm = rollout_metrics(rollouts)
         if ws > 1:  # the fixed keys are averaged over ranks; the environments' info keys stay rank 0's
             rm.update({k: global_sum(v, state.group) / ws for k, v in rm.items() if not k.startswith("info/")})
@@ -452,7 +455,8 @@ def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_di
         if metrics_fn is not None:
             metrics.update(metrics_fn(rollouts))
         metrics.update({"phase": "value_pretrain" if pretrain else "ppo", "time/rollout_s": t1 - t0,
-                        "time/train_s": t2 - t1, "actor_step": max(0, it + 1 - cfg.value_pretrain_steps)})
+                        "time/train_s": t2 - t1, "threads": threads,
+                        "actor_step": max(0, it + 1 - cfg.value_pretrain_steps)})
         state.step = it + 1
         if eval_fn is not None and not pretrain and cfg.eval_every and (state.step - cfg.value_pretrain_steps) % cfg.eval_every == 0:
             metrics.update(eval_fn(state))

@@ -1,0 +1,79 @@
+"""`threads="auto"`: choose torch's CPU thread count from the wall time of the training steps themselves.
+
+On a shared machine the best count changes with the load. On the idle 2-core machine two threads
+make a demo step ~1.65x faster (SFT step 270 -> 165 ms); when another process holds the second core,
+a second OpenMP thread mostly waits and steps get 2-7x slower. So every `period_s` seconds the tuner
+runs `probe` steps at each candidate count and keeps the fastest (by the minimum over its probes, so a
+one-off stall does not decide). The numbers do not change: the CPU kernels the models use split work
+over rows, not over the reduction, and 1 and 2 threads give bitwise equal forward and backward passes
+(tests/train/test_threads.py checks it on the demo's model).
+"""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+
+
+class ThreadTuner:
+    """Wraps each step (`with tuner.step(): ...`) and sets torch's intra-op thread count before it.
+
+    Args:
+        choices: candidate thread counts (default: 1 and the number of cores).
+        probe: steps timed per candidate in a probing window.
+        period_s: seconds between the end of one probing window and the start of the next.
+    """
+
+    def __init__(self, choices=None, probe: int = 2, period_s: float = 60.0):
+        cores = os.cpu_count() or 1
+        self.choices = sorted(set(choices or (1, cores)))
+        if not self.choices or min(self.choices) < 1:
+            raise ValueError(f"thread choices must be positive integers, got {choices!r}")
+        self.probe, self.period_s = int(probe), float(period_s)
+        self.best = self.choices[0]
+        self._queue: list = []
+        self._times: dict = {}
+        self._last = -float("inf")  # end of the last probing window
+        self.history: list = []  # (time, {threads: min seconds}, chosen) per window
+
+    @contextmanager
+    def step(self):
+        if not self._queue and len(self.choices) > 1 and time.perf_counter() - self._last >= self.period_s:
+            self._queue = [c for c in self.choices for _ in range(self.probe)]
+            self._times = {}
+        n = self._queue[0] if self._queue else self.best
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        t = time.perf_counter()
+        yield n
+        if self._queue:
+            self._times.setdefault(self._queue.pop(0), []).append(time.perf_counter() - t)
+            if not self._queue:
+                fastest = {c: min(ts) for c, ts in self._times.items()}
+                self.best = min(fastest, key=fastest.get)
+                self._last = time.perf_counter()
+                self.history.append((self._last, fastest, self.best))
+                torch.set_num_threads(self.best)
+
+
+def make_tuner(threads) -> ThreadTuner | None:
+    """A ThreadTuner for `threads="auto"`; otherwise set a fixed count (0: torch's default) and return None."""
+    if threads == "auto":
+        return ThreadTuner()
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"threads must be 'auto' or a non-negative integer, got {threads!r}")
+    if threads:
+        torch.set_num_threads(threads)
+    return None
+
+
+@contextmanager
+def maybe_step(tuner: ThreadTuner | None):
+    """`tuner.step()`, or nothing without a tuner."""
+    if tuner is None:
+        yield torch.get_num_threads()
+    else:
+        with tuner.step() as n:
+            yield n

@@ -161,3 +161,25 @@ def global_token_count(loss_mask, group=None) -> int:
         2
     """
     return global_denominator("token-mean", loss_mask, group=group)
+
+
+def register_loss_op(name: str, fake, n_inputs: int) -> None:
+    """Fake impl and autograd of a loss op `name` returning (loss [], metrics [k], grad [T] or [0]), where the
+    kernel already wrote d loss / d input-0 into `grad` (the other `n_inputs - 1` inputs get no gradient)."""
+    none = (None,) * (n_inputs - 1)
+
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)  # no zero [T] gradient for the unused `grad` output
+        ctx.save_for_backward(output[2])
+
+    def backward(ctx, d_loss, d_metrics, d_grad):
+        # In place: the saved buffer becomes the input's gradient, so fwd+bwd allocate one [T] buffer in all.
+        # A second backward through the same graph (retain_graph=True) then fails loudly on the saved
+        # tensor's version counter instead of computing a wrong gradient.
+        (grad,) = ctx.saved_tensors
+        if not torch.compiler.is_compiling() and d_loss.device.type == "cpu" and d_loss.item() == 1.0:
+            return (grad,) + none  # loss.backward(): skip a pass over [T] (no sync on CPU)
+        return (grad.mul_(d_loss),) + none
+
+    torch.library.register_fake(name, fake)
+    torch.library.register_autograd(name, backward, setup_context=setup_context)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..reference import losses as ref
-from . import _dispatch
+from . import _dispatch, _reduction
 from ._reduction import REDUCTIONS, check_denominator, check_layout, resolve_backend, segment_weights
 from ._validate import FLOAT_DTYPES, check_choice, check_float, check_tensor
 
@@ -37,21 +37,6 @@ def _fake(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_se
     return (logprobs.new_empty(()), logprobs.new_empty(len(METRICS)), logprobs.new_empty(T if need_grad else 0))
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.set_materialize_grads(False)  # no zero [T] gradient for the unused `grad` output
-    ctx.save_for_backward(output[2])
-
-
-def _backward(ctx, d_loss, d_metrics, d_grad):
-    # In place: the saved buffer becomes the input's gradient, so fwd+bwd allocate one [T] buffer in all.
-    # A second backward through the same graph (retain_graph=True) then fails loudly on the saved
-    # tensor's version counter instead of computing a wrong gradient.
-    (grad,) = ctx.saved_tensors
-    if not torch.compiler.is_compiling() and d_loss.device.type == "cpu" and d_loss.item() == 1.0:
-        return (grad,) + (None,) * 11  # loss.backward(): skip a pass over [T] (no sync on CPU)
-    return (grad.mul_(d_loss),) + (None,) * 11
-
-
 @torch.library.custom_op("compactionrl_fast::ppo_policy_loss_triton", mutates_args=())
 def _triton_op(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
                rollout_logprobs: Optional[Tensor], cu_seqlens: Optional[Tensor], seg_scale: Tensor,
@@ -64,8 +49,7 @@ def _triton_op(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_
 
 
 def _register(name):
-    torch.library.register_fake(name, _fake)
-    torch.library.register_autograd(name, _backward, setup_context=_setup_context)
+    _reduction.register_loss_op(name, _fake, 12)
 
 
 _register("compactionrl_fast::ppo_policy_loss_triton")

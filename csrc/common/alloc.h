@@ -18,4 +18,9 @@ inline at::Tensor empty_output(at::IntArrayRef shape, const at::TensorOptions& o
   return t;
 }
 
+// The loss ops' per-token gradient output: [T] when asked for, else empty.
+inline at::Tensor grad_output(bool need_grad, int64_t T, const at::TensorOptions& opts) {
+  return need_grad ? empty_output({T}, opts) : at::empty({0}, opts);
+}
+
 }  // namespace crf

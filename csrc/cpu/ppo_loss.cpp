@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "../common/alloc.h"
+#include "../common/loss_inputs.h"
 
 // The kernel code, with the per-token math, is compiled with -fno-trapping-math (segment_runs.h says why).
 #pragma GCC push_options
@@ -76,64 +77,10 @@ CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w
   p[kRatioMax] = std::max(p[kRatioMax], (double)crf::lane_max(buf[R], n));
 }
 
-template <typename idx_t, bool TIS, bool GRAD>
-CRF_INLINE void ppo_run(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
-  for (int64_t c = t0; c < t1; c += crf::kChunk)
-    ppo_chunk<idx_t, TIS, GRAD>(a, c, std::min(t1, c + crf::kChunk), w, p);
-}
-
-// Blocks [b0, b1): each block's tokens, cut at segment boundaries.
-template <typename idx_t, bool TIS, bool GRAD>
-CRF_INLINE void ppo_blocks(const Args<idx_t>& a, int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; ++b) {
-    double* p = a.part + b * kParts;
-    for (int k = 0; k < kParts; ++k) p[k] = 0.0;
-    int64_t t0 = b * crf::kBlock;
-    const int64_t t1 = std::min(a.T, t0 + crf::kBlock);
-    if (a.cu == nullptr) {
-      ppo_run<idx_t, TIS, GRAD>(a, t0, t1, a.scale[0], p);
-      continue;
-    }
-    for (int64_t s = crf::segment_of(a.cu, a.S, t0); t0 < t1; ++s) {
-      if (a.cu[s + 1] <= t0) continue;  // empty segment
-      const int64_t e = std::min<int64_t>(a.cu[s + 1], t1);
-      ppo_run<idx_t, TIS, GRAD>(a, t0, e, a.scale[s], p);
-      t0 = e;
-    }
-  }
-}
-
-template <typename idx_t, bool TIS, bool GRAD>
-CRF_AVX2 void ppo_blocks_avx2(const Args<idx_t>& a, int64_t b0, int64_t b1) {
-  ppo_blocks<idx_t, TIS, GRAD>(a, b0, b1);
-}
-
-template <typename idx_t, bool TIS, bool GRAD>
-void ppo_blocks_base(const Args<idx_t>& a, int64_t b0, int64_t b1) {
-  ppo_blocks<idx_t, TIS, GRAD>(a, b0, b1);
-}
-
 }  // namespace
 #pragma GCC pop_options
 
 namespace {
-
-template <typename idx_t, bool TIS, bool GRAD>
-void ppo_all(const Args<idx_t>& a, int64_t n_blocks) {
-  const bool avx2 = crf::has_avx2();
-  at::parallel_for(0, n_blocks, crf::kGrainBlocks, [&](int64_t b0, int64_t b1) {
-    if (avx2)
-      ppo_blocks_avx2<idx_t, TIS, GRAD>(a, b0, b1);
-    else
-      ppo_blocks_base<idx_t, TIS, GRAD>(a, b0, b1);
-  });
-}
-
-
-void check_f32(const at::Tensor& t, const char* name, int64_t T) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == T && t.is_contiguous(),
-              "ppo_policy_loss: ", name, " must be a contiguous float32 [T] tensor");
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cpu(
     const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
@@ -141,41 +88,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cpu(
     const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& seg_scale, double clip_low, double clip_high,
     double dual_clip, double tis_cap, bool need_grad) {
   const int64_t T = logprobs.numel();
-  check_f32(logprobs, "logprobs", T);
-  check_f32(old_logprobs, "old_logprobs", T);
-  check_f32(advantages, "advantages", T);
-  if (rollout_logprobs) check_f32(*rollout_logprobs, "rollout_logprobs", T);
-  TORCH_CHECK(loss_mask.scalar_type() == at::kBool && loss_mask.numel() == T && loss_mask.is_contiguous(),
-              "ppo_policy_loss: loss_mask must be a contiguous bool [T] tensor");
-  const int64_t S = cu_seqlens ? cu_seqlens->numel() - 1 : 1;
-  TORCH_CHECK(seg_scale.scalar_type() == at::kDouble && seg_scale.numel() == S && seg_scale.is_contiguous(),
-              "ppo_policy_loss: seg_scale must be a contiguous float64 [S] tensor");
+  const int64_t S =
+      crf::check_ppo_inputs(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale,
+                            /*cuda=*/false);
   auto f32 = logprobs.options();
-  at::Tensor grad = need_grad ? crf::empty_output({T}, f32) : at::empty({0}, f32);
-  const int64_t n_blocks = (T + crf::kBlock - 1) / crf::kBlock;
+  at::Tensor grad = crf::grad_output(need_grad, T, f32);
+  const int64_t n_blocks = crf::n_blocks(T);
   at::Tensor part = at::empty({n_blocks, kParts}, f32.dtype(at::kDouble));
 
-  auto run = [&](auto idx_tag) {
+  crf::dispatch(cu_seqlens, rollout_logprobs.has_value(), need_grad, [&](auto idx_tag, auto tis, auto grad_on) {
     using idx_t = decltype(idx_tag);
     Args<idx_t> a{logprobs.data_ptr<float>(), old_logprobs.data_ptr<float>(), advantages.data_ptr<float>(),
                   rollout_logprobs ? rollout_logprobs->data_ptr<float>() : nullptr, loss_mask.data_ptr<bool>(),
                   cu_seqlens ? cu_seqlens->data_ptr<idx_t>() : nullptr, seg_scale.data_ptr<double>(), S, T,
                   (float)(1.0 - clip_low), (float)(1.0 + clip_high), (float)dual_clip, (float)tis_cap,
                   need_grad ? grad.data_ptr<float>() : nullptr, part.data_ptr<double>()};
-    const bool tis = rollout_logprobs.has_value();
-    if (tis && need_grad) ppo_all<idx_t, true, true>(a, n_blocks);
-    else if (tis) ppo_all<idx_t, true, false>(a, n_blocks);
-    else if (need_grad) ppo_all<idx_t, false, true>(a, n_blocks);
-    else ppo_all<idx_t, false, false>(a, n_blocks);
-  };
-  if (cu_seqlens && cu_seqlens->scalar_type() == at::kInt) {
-    TORCH_CHECK(cu_seqlens->is_contiguous(), "ppo_policy_loss: cu_seqlens must be contiguous");
-    run(int32_t{});
-  } else {
-    TORCH_CHECK(!cu_seqlens || (cu_seqlens->scalar_type() == at::kLong && cu_seqlens->is_contiguous()),
-                "ppo_policy_loss: cu_seqlens must be a contiguous int32/int64 tensor");
-    run(int64_t{});
-  }
+    crf::parallel_blocks<ppo_chunk<idx_t, tis, grad_on>, kParts>(a);
+  });
 
   // fixed-order reduction of the partials
   double tot[kParts] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0};

@@ -1,4 +1,5 @@
-// Host-side helpers shared by the CPU loss kernels (ppo_loss.cpp, value_loss.cpp).
+// Host-side helpers shared by the CPU loss kernels (ppo_loss.cpp, value_loss.cpp): the block/segment/chunk
+// walk, its AVX2 and baseline copies and the parallel launch; a kernel supplies only its chunk function.
 //
 // Tokens are cut into fixed blocks of kBlock tokens, independent of the thread count; each block writes
 // one row of partial sums and the rows are added in block order, so every result bit is the same for
@@ -13,8 +14,13 @@
 // every select computed up front, and -fno-trapping-math on the kernel code (set with
 // `#pragma GCC optimize` around it), without which gcc will not if-convert selects of float math.
 #pragma once
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <type_traits>
 
 namespace crf {
 
@@ -64,6 +70,76 @@ CRF_INLINE float lane_max(const float* x, int64_t n) {
 template <typename idx_t>
 CRF_INLINE int64_t segment_of(const idx_t* cu, int64_t S, int64_t t) {
   return std::upper_bound(cu, cu + S + 1, (idx_t)t) - cu - 1;
+}
+
+inline int64_t n_blocks(int64_t T) { return (T + kBlock - 1) / kBlock; }
+
+// A loss kernel's Args `a` has cu ([S+1] offsets or null: one segment), scale ([S] reduction weights),
+// S, T and part ([n_blocks, kParts] doubles); its Chunk(a, t0, t1, w, p) adds tokens [t0, t1) (at most
+// kChunk, one segment, weight w) into the block's partials p. Chunk is a template argument, not a
+// callable object, so the call is direct and always_inline puts its loop into the AVX2 copy below.
+template <auto Chunk, typename A>
+CRF_INLINE void run_chunks(const A& a, int64_t t0, int64_t t1, double w, double* p) {
+  for (int64_t c = t0; c < t1; c += kChunk) Chunk(a, c, std::min(t1, c + kChunk), w, p);
+}
+
+// Blocks [b0, b1): each block's partials start at 0 and its tokens are cut at segment boundaries.
+template <auto Chunk, int kParts, typename A>
+CRF_INLINE void run_blocks(const A& a, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    double* p = a.part + b * kParts;
+    for (int k = 0; k < kParts; ++k) p[k] = 0.0;
+    int64_t t0 = b * kBlock;
+    const int64_t t1 = std::min(a.T, t0 + kBlock);
+    if (a.cu == nullptr) {
+      run_chunks<Chunk>(a, t0, t1, a.scale[0], p);
+      continue;
+    }
+    for (int64_t s = segment_of(a.cu, a.S, t0); t0 < t1; ++s) {
+      if (a.cu[s + 1] <= t0) continue;  // empty segment
+      const int64_t e = std::min<int64_t>(a.cu[s + 1], t1);
+      run_chunks<Chunk>(a, t0, e, a.scale[s], p);
+      t0 = e;
+    }
+  }
+}
+
+template <auto Chunk, int kParts, typename A>
+CRF_AVX2 void run_blocks_avx2(const A& a, int64_t b0, int64_t b1) {
+  run_blocks<Chunk, kParts>(a, b0, b1);
+}
+
+template <auto Chunk, int kParts, typename A>
+void run_blocks_base(const A& a, int64_t b0, int64_t b1) {
+  run_blocks<Chunk, kParts>(a, b0, b1);
+}
+
+// All n_blocks(a.T) blocks, in parallel, through the AVX2 copy where the CPU has AVX2 and FMA.
+template <auto Chunk, int kParts, typename A>
+void parallel_blocks(const A& a) {
+  const bool avx2 = has_avx2();
+  at::parallel_for(0, n_blocks(a.T), kGrainBlocks, [&](int64_t b0, int64_t b1) {
+    if (avx2)
+      run_blocks_avx2<Chunk, kParts>(a, b0, b1);
+    else
+      run_blocks_base<Chunk, kParts>(a, b0, b1);
+  });
+}
+
+// Calls f(idx_t{}, A, B) with the flags a, b as std::bool_constant, so each case gets its own kernel
+// instantiation; idx_t is int32_t for an int32 cu_seqlens, else int64_t (int64 or no cu_seqlens).
+template <typename F>
+void dispatch(const std::optional<at::Tensor>& cu_seqlens, bool a, bool b, const F& f) {
+  auto cases = [&](auto idx) {
+    if (a && b) f(idx, std::true_type{}, std::true_type{});
+    else if (a) f(idx, std::true_type{}, std::false_type{});
+    else if (b) f(idx, std::false_type{}, std::true_type{});
+    else f(idx, std::false_type{}, std::false_type{});
+  };
+  if (cu_seqlens && cu_seqlens->scalar_type() == at::kInt)
+    cases(int32_t{});
+  else
+    cases(int64_t{});
 }
 
 }  // namespace crf

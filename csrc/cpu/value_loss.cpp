@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "../common/alloc.h"
+#include "../common/loss_inputs.h"
 
 // The kernel code, with the per-token math, is compiled with -fno-trapping-math (segment_runs.h says why).
 #pragma GCC push_options
@@ -97,62 +98,10 @@ CRF_INLINE void value_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double
   p[kTokens] = n0 + nb;
 }
 
-template <typename idx_t, bool CLIP, bool GRAD>
-CRF_INLINE void value_run(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
-  for (int64_t c = t0; c < t1; c += crf::kChunk)
-    value_chunk<idx_t, CLIP, GRAD>(a, c, std::min(t1, c + crf::kChunk), w, p);
-}
-
-template <typename idx_t, bool CLIP, bool GRAD>
-CRF_INLINE void value_blocks(const Args<idx_t>& a, int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; ++b) {
-    double* p = a.part + b * kParts;
-    for (int k = 0; k < kParts; ++k) p[k] = 0.0;
-    const int64_t bos = b * crf::kBlock, eos = std::min(a.T, bos + crf::kBlock);
-    if (a.cu == nullptr) {
-      value_run<idx_t, CLIP, GRAD>(a, bos, eos, a.scale[0], p);
-    } else {
-      int64_t t0 = bos;
-      for (int64_t s = crf::segment_of(a.cu, a.S, t0); t0 < eos; ++s) {
-        if (a.cu[s + 1] <= t0) continue;  // empty segment
-        const int64_t e = std::min<int64_t>(a.cu[s + 1], eos);
-        value_run<idx_t, CLIP, GRAD>(a, t0, e, a.scale[s], p);
-        t0 = e;
-      }
-    }
-  }
-}
-
-template <typename idx_t, bool CLIP, bool GRAD>
-CRF_AVX2 void value_blocks_avx2(const Args<idx_t>& a, int64_t b0, int64_t b1) {
-  value_blocks<idx_t, CLIP, GRAD>(a, b0, b1);
-}
-
-template <typename idx_t, bool CLIP, bool GRAD>
-void value_blocks_base(const Args<idx_t>& a, int64_t b0, int64_t b1) {
-  value_blocks<idx_t, CLIP, GRAD>(a, b0, b1);
-}
-
 }  // namespace
 #pragma GCC pop_options
 
 namespace {
-
-template <typename idx_t, bool CLIP, bool GRAD>
-void value_all(const Args<idx_t>& a, int64_t n_blocks) {
-  const bool avx2 = crf::has_avx2();
-  at::parallel_for(0, n_blocks, crf::kGrainBlocks, [&](int64_t b0, int64_t b1) {
-    if (avx2)
-      value_blocks_avx2<idx_t, CLIP, GRAD>(a, b0, b1);
-    else
-      value_blocks_base<idx_t, CLIP, GRAD>(a, b0, b1);
-  });
-}
-
-void check_f32(const at::Tensor& t, const char* name, int64_t T) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == T && t.is_contiguous(),
-              "value_loss: ", name, " must be a contiguous float32 [T] tensor");
-}
 
 // Combine (n, sum, M2) of the blocks in order (Chan et al.); returns the population variance.
 struct Moments {
@@ -171,39 +120,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(
     const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns, const at::Tensor& loss_mask,
     const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& seg_scale, double clip, bool need_grad) {
   const int64_t T = values.numel();
-  check_f32(values, "values", T);
-  check_f32(old_values, "old_values", T);
-  check_f32(returns, "returns", T);
-  TORCH_CHECK(loss_mask.scalar_type() == at::kBool && loss_mask.numel() == T && loss_mask.is_contiguous(),
-              "value_loss: loss_mask must be a contiguous bool [T] tensor");
-  const int64_t S = cu_seqlens ? cu_seqlens->numel() - 1 : 1;
-  TORCH_CHECK(seg_scale.scalar_type() == at::kDouble && seg_scale.numel() == S && seg_scale.is_contiguous(),
-              "value_loss: seg_scale must be a contiguous float64 [S] tensor");
+  const int64_t S =
+      crf::check_value_inputs(values, old_values, returns, loss_mask, cu_seqlens, seg_scale, /*cuda=*/false);
   auto f32 = values.options();
-  at::Tensor grad = need_grad ? crf::empty_output({T}, f32) : at::empty({0}, f32);
-  const int64_t n_blocks = (T + crf::kBlock - 1) / crf::kBlock;
+  at::Tensor grad = crf::grad_output(need_grad, T, f32);
+  const int64_t n_blocks = crf::n_blocks(T);
   at::Tensor part = at::empty({n_blocks, kParts}, f32.dtype(at::kDouble));
 
-  auto run = [&](auto idx_tag) {
+  crf::dispatch(cu_seqlens, clip >= 0.0, need_grad, [&](auto idx_tag, auto use_clip, auto grad_on) {
     using idx_t = decltype(idx_tag);
     Args<idx_t> a{values.data_ptr<float>(), old_values.data_ptr<float>(), returns.data_ptr<float>(),
                   loss_mask.data_ptr<bool>(), cu_seqlens ? cu_seqlens->data_ptr<idx_t>() : nullptr,
                   seg_scale.data_ptr<double>(), S, T, (float)clip, need_grad ? grad.data_ptr<float>() : nullptr,
                   part.data_ptr<double>()};
-    const bool use_clip = clip >= 0.0;
-    if (use_clip && need_grad) value_all<idx_t, true, true>(a, n_blocks);
-    else if (use_clip) value_all<idx_t, true, false>(a, n_blocks);
-    else if (need_grad) value_all<idx_t, false, true>(a, n_blocks);
-    else value_all<idx_t, false, false>(a, n_blocks);
-  };
-  if (cu_seqlens && cu_seqlens->scalar_type() == at::kInt) {
-    TORCH_CHECK(cu_seqlens->is_contiguous(), "value_loss: cu_seqlens must be contiguous");
-    run(int32_t{});
-  } else {
-    TORCH_CHECK(!cu_seqlens || (cu_seqlens->scalar_type() == at::kLong && cu_seqlens->is_contiguous()),
-                "value_loss: cu_seqlens must be a contiguous int32/int64 tensor");
-    run(int64_t{});
-  }
+    crf::parallel_blocks<value_chunk<idx_t, use_clip, grad_on>, kParts>(a);
+  });
 
   double loss = 0.0, n = 0.0, nc = 0.0, sv = 0.0;
   Moments mr, me;

@@ -12,17 +12,9 @@
 // memory and __syncthreads (no warp intrinsics), so the host emulation runs the same code.
 // The torch binding is csrc/cuda/gae.cu; semantics: compactionrl_fast/ops/gae.py.
 #pragma once
-#ifndef CRF_HOST_EMULATION
-#include <cuda_runtime.h>
-#endif
-
-#include <cstdint>
+#include "kernel_common.cuh"
 
 #include "../common/gae_step.h"
-
-#ifndef CRF_LAUNCH
-#define CRF_LAUNCH(kernel, grid, block, stream, ...) kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
-#endif
 
 namespace crf {
 namespace gae_cuda {
@@ -63,17 +55,6 @@ inline int64_t n_tiles(int64_t T) { return (T + kTile - 1) / kTile; }
 // Shared-memory index with one pad word per 32: thread i reads tokens i*kItems.. without 8-way bank conflicts.
 __device__ __forceinline__ int pad(int k) { return k + (k >> 5); }
 constexpr int kPadded = kTile + kTile / 32;
-
-template <typename idx_t>
-__device__ __forceinline__ int64_t upper_index(const idx_t* cu, int64_t n, int64_t t) {
-  // the last i in [0, n) with cu[i] <= t (cu non-decreasing, cu[0] <= t)
-  int64_t lo = 0, hi = n;
-  while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) >> 1;
-    if ((int64_t)cu[mid] <= t) lo = mid; else hi = mid;
-  }
-  return lo;
-}
 
 template <typename idx_t>
 __global__ void __launch_bounds__(kThreads) count_kernel(Params p) {

@@ -7,14 +7,10 @@
 #include <torch/types.h>
 
 #include "../common/alloc.h"
+#include "../common/loss_inputs.h"
 #include "ppo_loss_kernels.cuh"
 
 namespace {
-
-void check_f32(const at::Tensor& t, const char* name, int64_t T) {
-  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == T && t.is_contiguous(),
-              "ppo_policy_loss: ", name, " must be a contiguous float32 [T] CUDA tensor");
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cuda(
     const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
@@ -23,21 +19,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cuda(
     double dual_clip, double tis_cap, bool need_grad) {
   namespace K = crf::ppo_cuda;
   const int64_t T = logprobs.numel();
-  check_f32(logprobs, "logprobs", T);
-  check_f32(old_logprobs, "old_logprobs", T);
-  check_f32(advantages, "advantages", T);
-  if (rollout_logprobs) check_f32(*rollout_logprobs, "rollout_logprobs", T);
-  TORCH_CHECK(loss_mask.scalar_type() == at::kBool && loss_mask.numel() == T && loss_mask.is_contiguous(),
-              "ppo_policy_loss: loss_mask must be a contiguous bool [T] tensor");
-  const int64_t S = cu_seqlens ? cu_seqlens->numel() - 1 : 1;
-  TORCH_CHECK(seg_scale.scalar_type() == at::kDouble && seg_scale.numel() == S && seg_scale.is_contiguous(),
-              "ppo_policy_loss: seg_scale must be a contiguous float64 [S] tensor");
-  TORCH_CHECK(!cu_seqlens || ((cu_seqlens->scalar_type() == at::kInt || cu_seqlens->scalar_type() == at::kLong) &&
-                              cu_seqlens->is_contiguous()),
-              "ppo_policy_loss: cu_seqlens must be a contiguous int32/int64 tensor");
+  const int64_t S =
+      crf::check_ppo_inputs(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale,
+                            /*cuda=*/true);
   const c10::cuda::CUDAGuard guard(logprobs.device());
   auto f32 = logprobs.options();
-  at::Tensor grad = need_grad ? crf::empty_output({T}, f32) : at::empty({0}, f32);
+  at::Tensor grad = crf::grad_output(need_grad, T, f32);
   at::Tensor part = at::empty({K::n_blocks(T), K::kParts}, f32);
   at::Tensor loss = at::empty({}, f32), metrics = at::empty({4}, f32);
   K::Params p{logprobs.data_ptr<float>(), old_logprobs.data_ptr<float>(), advantages.data_ptr<float>(),

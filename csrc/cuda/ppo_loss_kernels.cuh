@@ -5,25 +5,11 @@
 // the partials in a fixed order. No float atomics, so results are bitwise deterministic.
 // The torch binding is csrc/cuda/ppo_loss.cu; semantics: compactionrl_fast/ops/ppo_loss.py.
 #pragma once
-#ifndef CRF_HOST_EMULATION
-#include <cuda_runtime.h>
-#endif
+#include "kernel_common.cuh"
 
 #include <cmath>
-#include <cstdint>
 
 #include "../common/ppo_math.h"
-
-#ifndef CRF_LAUNCH
-#define CRF_LAUNCH(kernel, grid, block, stream, ...) kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
-#endif
-// Block shape; the host-emulation tests (tests/ops/losses_cuda_host.cpp) also build it small.
-#ifndef CRF_LOSS_THREADS
-#define CRF_LOSS_THREADS 256
-#endif
-#ifndef CRF_LOSS_ITEMS
-#define CRF_LOSS_ITEMS 4
-#endif
 
 namespace crf {
 namespace ppo_cuda {
@@ -45,17 +31,6 @@ struct Params {
   float* loss;     // []
   float* metrics;  // [4]
 };
-
-// The segment of token t: the last s in [0, S) with cu[s] <= t.
-template <typename idx_t>
-__device__ __forceinline__ int64_t segment_of(const idx_t* cu, int64_t S, int64_t t) {
-  int64_t lo = 0, hi = S;
-  while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) >> 1;
-    if ((int64_t)cu[mid] <= t) lo = mid; else hi = mid;
-  }
-  return lo;
-}
 
 // Fixed-order block reductions through shared memory (a tree over the thread index).
 template <typename T, typename Op>
@@ -100,7 +75,7 @@ __global__ void __launch_bounds__(kThreads) ppo_loss_block_kernel(Params p) {
       l *= wc;
       g *= wc;
     }
-    const float w = (float)(cu == nullptr ? p.scale[0] : p.scale[segment_of(cu, p.S, t)]);
+    const float w = (float)(cu == nullptr ? p.scale[0] : p.scale[upper_index(cu, p.S, t)]);
     if (p.grad != nullptr) p.grad[t] = m ? g * w : 0.f;
     loss += m ? l * w : 0.f;
     n += m;

@@ -7,34 +7,21 @@
 #include <torch/types.h>
 
 #include "../common/alloc.h"
+#include "../common/loss_inputs.h"
 #include "value_loss_kernels.cuh"
 
 namespace {
-
-void check_f32(const at::Tensor& t, const char* name, int64_t T) {
-  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == T && t.is_contiguous(),
-              "value_loss: ", name, " must be a contiguous float32 [T] CUDA tensor");
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cuda(
     const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns, const at::Tensor& loss_mask,
     const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& seg_scale, double clip, bool need_grad) {
   namespace K = crf::value_cuda;
   const int64_t T = values.numel();
-  check_f32(values, "values", T);
-  check_f32(old_values, "old_values", T);
-  check_f32(returns, "returns", T);
-  TORCH_CHECK(loss_mask.scalar_type() == at::kBool && loss_mask.numel() == T && loss_mask.is_contiguous(),
-              "value_loss: loss_mask must be a contiguous bool [T] tensor");
-  const int64_t S = cu_seqlens ? cu_seqlens->numel() - 1 : 1;
-  TORCH_CHECK(seg_scale.scalar_type() == at::kDouble && seg_scale.numel() == S && seg_scale.is_contiguous(),
-              "value_loss: seg_scale must be a contiguous float64 [S] tensor");
-  TORCH_CHECK(!cu_seqlens || ((cu_seqlens->scalar_type() == at::kInt || cu_seqlens->scalar_type() == at::kLong) &&
-                              cu_seqlens->is_contiguous()),
-              "value_loss: cu_seqlens must be a contiguous int32/int64 tensor");
+  const int64_t S =
+      crf::check_value_inputs(values, old_values, returns, loss_mask, cu_seqlens, seg_scale, /*cuda=*/true);
   const c10::cuda::CUDAGuard guard(values.device());
   auto f32 = values.options();
-  at::Tensor grad = need_grad ? crf::empty_output({T}, f32) : at::empty({0}, f32);
+  at::Tensor grad = crf::grad_output(need_grad, T, f32);
   at::Tensor part = at::empty({K::n_blocks(T), K::kParts}, f32);
   at::Tensor loss = at::empty({}, f32), metrics = at::empty({3}, f32);
   K::Params p{values.data_ptr<float>(), old_values.data_ptr<float>(), returns.data_ptr<float>(),

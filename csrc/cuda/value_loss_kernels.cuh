@@ -6,25 +6,11 @@
 // one block merges the partials in a fixed order (Chan et al.), so results are bitwise deterministic.
 // The torch binding is csrc/cuda/value_loss.cu; semantics: compactionrl_fast/ops/value_loss.py.
 #pragma once
-#ifndef CRF_HOST_EMULATION
-#include <cuda_runtime.h>
-#endif
+#include "kernel_common.cuh"
 
 #include <cmath>
-#include <cstdint>
 
 #include "../common/ppo_math.h"
-
-#ifndef CRF_LAUNCH
-#define CRF_LAUNCH(kernel, grid, block, stream, ...) kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
-#endif
-// Block shape; the host-emulation tests (tests/ops/losses_cuda_host.cpp) also build it small.
-#ifndef CRF_LOSS_THREADS
-#define CRF_LOSS_THREADS 256
-#endif
-#ifndef CRF_LOSS_ITEMS
-#define CRF_LOSS_ITEMS 4
-#endif
 
 namespace crf {
 namespace value_cuda {
@@ -46,16 +32,6 @@ struct Params {
   float* loss;     // []
   float* metrics;  // [3]
 };
-
-template <typename idx_t>
-__device__ __forceinline__ int64_t segment_of(const idx_t* cu, int64_t S, int64_t t) {
-  int64_t lo = 0, hi = S;
-  while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) >> 1;
-    if ((int64_t)cu[mid] <= t) lo = mid; else hi = mid;
-  }
-  return lo;
-}
 
 template <typename T>
 __device__ __forceinline__ T block_sum(T v, T* smem) {
@@ -103,7 +79,7 @@ __global__ void __launch_bounds__(kThreads) value_loss_block_kernel(Params p) {
     if (t >= p.T) continue;
     const float v = p.v[t], r = p.ret[t];
     const ValueToken o = value_token(v, use_clip ? p.old[t] : v, r, use_clip ? p.eps : 0.f, use_clip);
-    const float w = (float)(cu == nullptr ? p.scale[0] : p.scale[segment_of(cu, p.S, t)]);
+    const float w = (float)(cu == nullptr ? p.scale[0] : p.scale[upper_index(cu, p.S, t)]);
     const bool m = m_tok[i];
     if (p.grad != nullptr) p.grad[t] = m ? o.dv * w : 0.f;
     loss += m ? o.loss * w : 0.f;

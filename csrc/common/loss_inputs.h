@@ -1,0 +1,58 @@
+// Input checks of the loss ops' torch bindings, shared by CPU (csrc/cpu/*_loss.cpp) and CUDA
+// (csrc/cuda/*_loss.cu). The Python wrappers validate first (compactionrl_fast/ops/); these checks stop a
+// direct torch.ops call from handing the kernels memory they would read out of bounds.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace crf {
+
+// `op: name must be a contiguous float32 [T] tensor` (a CUDA one when `cuda`).
+inline void check_f32(const char* op, const at::Tensor& t, const char* name, int64_t T, bool cuda) {
+  TORCH_CHECK((!cuda || t.is_cuda()) && t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == T &&
+                  t.is_contiguous(),
+              op, ": ", name, " must be a contiguous float32 [T] ", cuda ? "CUDA tensor" : "tensor");
+}
+
+// loss_mask, seg_scale and cu_seqlens (optional), all contiguous; returns S, the number of segments.
+inline int64_t check_segments(const char* op, int64_t T, const at::Tensor& loss_mask,
+                              const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& seg_scale) {
+  TORCH_CHECK(loss_mask.scalar_type() == at::kBool && loss_mask.numel() == T && loss_mask.is_contiguous(), op,
+              ": loss_mask must be a contiguous bool [T] tensor");
+  const int64_t S = cu_seqlens ? cu_seqlens->numel() - 1 : 1;
+  TORCH_CHECK(seg_scale.scalar_type() == at::kDouble && seg_scale.numel() == S && seg_scale.is_contiguous(), op,
+              ": seg_scale must be a contiguous float64 [S] tensor");
+  TORCH_CHECK(!cu_seqlens || ((cu_seqlens->scalar_type() == at::kInt || cu_seqlens->scalar_type() == at::kLong) &&
+                              cu_seqlens->is_contiguous()),
+              op, ": cu_seqlens must be a contiguous int32/int64 tensor");
+  return S;
+}
+
+// ppo_policy_loss's tensors; returns S.
+inline int64_t check_ppo_inputs(const at::Tensor& logprobs, const at::Tensor& old_logprobs,
+                                const at::Tensor& advantages, const at::Tensor& loss_mask,
+                                const std::optional<at::Tensor>& rollout_logprobs,
+                                const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& seg_scale, bool cuda) {
+  const char* op = "ppo_policy_loss";
+  const int64_t T = logprobs.numel();
+  check_f32(op, logprobs, "logprobs", T, cuda);
+  check_f32(op, old_logprobs, "old_logprobs", T, cuda);
+  check_f32(op, advantages, "advantages", T, cuda);
+  if (rollout_logprobs) check_f32(op, *rollout_logprobs, "rollout_logprobs", T, cuda);
+  return check_segments(op, T, loss_mask, cu_seqlens, seg_scale);
+}
+
+// value_loss's tensors; returns S.
+inline int64_t check_value_inputs(const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns,
+                                  const at::Tensor& loss_mask, const std::optional<at::Tensor>& cu_seqlens,
+                                  const at::Tensor& seg_scale, bool cuda) {
+  const char* op = "value_loss";
+  const int64_t T = values.numel();
+  check_f32(op, values, "values", T, cuda);
+  check_f32(op, old_values, "old_values", T, cuda);
+  check_f32(op, returns, "returns", T, cuda);
+  return check_segments(op, T, loss_mask, cu_seqlens, seg_scale);
+}
+
+}  // namespace crf

@@ -32,11 +32,12 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
+
+from compactionrl_fast._git import git_revision
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,17 +47,6 @@ def settle_malloc():
     x = torch.empty(24 << 18, dtype=torch.float32)
     x.fill_(0.0)
     del x
-
-
-def _git_revision() -> str:
-    try:
-        rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (rev or "unknown") + ("+dirty" if dirty else "")
 
 
 def device_name(device) -> str:
@@ -85,7 +75,7 @@ def _environment(device: str) -> dict:
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
-        "git": _git_revision(),
+        "git": git_revision(REPO) or "unknown",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "loadavg_at_start": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }

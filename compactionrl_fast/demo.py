@@ -20,6 +20,7 @@ import time
 import torch
 
 from .train import checkpoint
+from ._git import git_revision
 from .train.config import TrainConfig, dumps, to_dict, update
 from .train.threads import make_tuner, maybe_step
 from .train.trainer import (EVAL_SEED_BASE, MetricsLog, evaluate, fit, load_state, make_state, save_state,
@@ -188,27 +189,12 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
     return results
 
 
-def _git_rev():
-    """Short commit of the checkout the demo runs from ("+dirty" with local changes), or None."""
-    import subprocess
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (rev + ("+dirty" if dirty else "")) or None
-
-
 def _machine(threads) -> dict:
     try:
         load = os.getloadavg()
     except OSError:
         load = None
-    return {"git": _git_rev(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    return {"git": git_revision(os.path.dirname(os.path.abspath(__file__))), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "torch_threads": threads or torch.get_num_threads(), "torch": torch.__version__, "loadavg_start": load}
 
 

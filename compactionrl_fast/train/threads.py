@@ -55,7 +55,6 @@ class ThreadTuner:
                 self.best = min(fastest, key=fastest.get)
                 self._last = time.perf_counter()
                 self.history.append((self._last, fastest, self.best))
-                torch.set_num_threads(self.best)
 
 
 def make_tuner(threads) -> ThreadTuner | None:

@@ -269,11 +269,6 @@ def test_no_grad_and_half_precision_inputs(backend):
 # ---------------------------------------------------------------- CUDA kernels, run on the host
 
 
-@pytest.fixture(scope="module", params=host.SHAPES, ids=lambda s: f"block={s[0]}x{s[1]}")
-def cuda_host_lib(request, tmp_path_factory):
-    return host.build(tmp_path_factory.mktemp("losses_cuda_host"), *request.param), request.param[0]
-
-
 @pytest.mark.skipif("cpp" not in BACKENDS, reason="the cpp backend defines the op schema")
 @pytest.mark.parametrize("case", ["single_token", "empty_segments", "no_trainable", "long_multiblock"])
 def test_cuda_kernels_on_host_match_reference(monkeypatch, cuda_host_lib, case):

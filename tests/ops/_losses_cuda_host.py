@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from compactionrl_fast.ops._alloc import empty
+from tests.utils import SHAPE_TABLE, packed_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPES = [(8, 4), (256, 4)]  # (threads, tokens per thread): many small blocks, and the GPU block shape
@@ -72,3 +73,14 @@ def route_cpp_to_cuda_host(monkeypatch, lib):
 
     monkeypatch.setattr(torch.ops.compactionrl_fast, "ppo_policy_loss", ppo_policy_loss)
     monkeypatch.setattr(torch.ops.compactionrl_fast, "value_loss", value_loss)
+
+
+def host_case(monkeypatch, cuda_host_lib, case):
+    """Route backend="cpp" to the host build of `cuda_host_lib` and return (packed batch of `case`, threads per
+    block); the GPU block shape runs only the case that spans several blocks, with int64 offsets."""
+    lib, threads = cuda_host_lib
+    if threads > 32 and case != "long_multiblock":
+        pytest.skip("the GPU block shape runs on the case that spans several blocks")
+    route_cpp_to_cuda_host(monkeypatch, lib)
+    b = packed_batch(SHAPE_TABLE[case], seed=len(case), index_dtype=torch.int64 if threads > 32 else torch.int32)
+    return b, threads

@@ -272,11 +272,7 @@ def test_no_grad_and_half_precision_inputs(backend):
 @pytest.mark.skipif("cpp" not in BACKENDS, reason="the cpp backend defines the op schema")
 @pytest.mark.parametrize("case", ["single_token", "empty_segments", "no_trainable", "long_multiblock"])
 def test_cuda_kernels_on_host_match_reference(monkeypatch, cuda_host_lib, case):
-    lib, threads = cuda_host_lib
-    if threads > 32 and case != "long_multiblock":
-        pytest.skip("the GPU block shape runs on the case that spans several blocks")
-    host.route_cpp_to_cuda_host(monkeypatch, lib)
-    b = packed_batch(SHAPE_TABLE[case], seed=len(case), index_dtype=torch.int64 if threads > 32 else torch.int32)
+    b, threads = host.host_case(monkeypatch, cuda_host_lib, case)
     x = policy_inputs(b["loss_mask"].numel(), seed=len(case))
     n = int(b["loss_mask"].sum())
     for clip, red, denominator in SWEEP[:3] if threads > 32 else SWEEP:  # 256 host threads are slow

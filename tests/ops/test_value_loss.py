@@ -119,11 +119,7 @@ def test_explained_variance_with_large_mean_does_not_cancel(backend):
 @pytest.mark.skipif("cpp" not in BACKENDS, reason="the cpp backend defines the op schema")
 @pytest.mark.parametrize("case", ["single_token", "no_trainable", "long_multiblock"])
 def test_cuda_kernels_on_host_match_reference(monkeypatch, cuda_host_lib, case):
-    lib, threads = cuda_host_lib
-    if threads > 32 and case != "long_multiblock":
-        pytest.skip("the GPU block shape runs on the case that spans several blocks")
-    host.route_cpp_to_cuda_host(monkeypatch, lib)
-    b = packed_batch(SHAPE_TABLE[case], seed=len(case), index_dtype=torch.int64 if threads > 32 else torch.int32)
+    b, threads = host.host_case(monkeypatch, cuda_host_lib, case)
     x = value_inputs(b["loss_mask"].numel(), seed=len(case), offset=100.0)  # EV with a large mean
     for red in REDUCTIONS[1:3] if threads > 32 else REDUCTIONS:  # 256 host threads are slow
         check_against_reference("cpp", b, x, clip=0.2 if red != "sum" else None, reduction=red)

@@ -1,7 +1,35 @@
-"""Input checks shared by every op. Each raises ValueError/TypeError naming the argument."""
+"""Input checks shared by every op. Each raises ValueError/TypeError naming the argument.
+
+Checks that read device values (offsets, targets) cost a host sync on CUDA. COMPACTIONRL_FAST_CHECKS
+decides which run: "auto" (default) runs them on CPU tensors only (no sync there) and never while
+torch.compile traces; "1" runs them everywhere (syncs allowed: debugging); "0" runs none. Checks of
+dtype, device, shape and Python scalars always run. Kernels never trust offsets: they clamp them.
+"""
 from __future__ import annotations
 
+import os
+
 import torch
+
+CHECKS = ("auto", "1", "0")
+
+
+def checks_mode() -> str:
+    """The COMPACTIONRL_FAST_CHECKS setting: "auto", "1" or "0"."""
+    mode = os.environ.get("COMPACTIONRL_FAST_CHECKS", "auto").strip().lower() or "auto"
+    if mode not in CHECKS:
+        raise ValueError(f"COMPACTIONRL_FAST_CHECKS must be one of {CHECKS}, got {mode!r}")
+    return mode
+
+
+def value_checks(t: torch.Tensor) -> bool:
+    """Whether checks that read the values of `t` (a host read) run for this call."""
+    mode = checks_mode()
+    if mode == "0" or torch.compiler.is_compiling() or t.device.type == "meta":
+        return False
+    if isinstance(t, torch._subclasses.fake_tensor.FakeTensor):
+        return False
+    return mode == "1" or t.device.type == "cpu"
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

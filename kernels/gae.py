@@ -29,6 +29,8 @@ import triton.language as tl
 
 from compactionrl_fast.ops._alloc import empty
 
+from .segments import sanitize_offsets
+
 ACC = tl.float64  # accumulation dtype of the maps and carries (see the module docstring)
 LAM_CONST, LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT, LAM_TENSOR = 0, 1, 2, 3  # as compactionrl_fast/ops/gae.py
 CROSS_NONE, CROSS_PAPER, CROSS_STITCHED = 0, 1, 2
@@ -300,7 +302,7 @@ def segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg
         return adv, ret
     if not block:
         block = BLOCK if dev.type == "cuda" else min(INTERPRET_BLOCK, triton.next_power_of_2(max(T, 16)))
-    cu, cs = cu_seqlens.long(), cu_segments.long()
+    cu, cs = sanitize_offsets(cu_seqlens, T), sanitize_offsets(cu_segments, S)  # unchecked on CUDA
     cb, single = _plan(T, R, dev, chunk, block)
     if cb is None:  # one chunk per rollout
         cb = cu[cs]
@@ -315,13 +317,13 @@ def segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg
     counts = None
     if cross == CROSS_PAPER or lam_mode in (LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT):
         counts = torch.zeros(S, dtype=torch.int64, device=dev)
-        _count_kernel[(n_chunks,)](mask, cu_seqlens, cb, seg, counts, n_chunks, BLOCK=block, num_warps=NUM_WARPS)
+        _count_kernel[(n_chunks,)](mask, cu, cb, seg, counts, n_chunks, BLOCK=block, num_warps=NUM_WARPS)
     gl, glc, scale, reset = _segment_stats(counts, cu, cs, S, R, gamma, lam_seg, lam, lam_mode, alpha, cross,
                                            lam_critic)
     gamma_t = torch.full((1,), gamma, dtype=torch.float64, device=dev)
     own = lam_critic >= 0.0
     carry = torch.zeros(3, n_chunks, dtype=torch.float64, device=dev)
-    args = (rewards, values, mask, cu_seqlens, cb, seg, gl, glc, scale, reset, gamma_t)
+    args = (rewards, values, mask, cu, cb, seg, gl, glc, scale, reset, gamma_t)
     if not single:
         summary = torch.empty(N_MAP, n_chunks, dtype=torch.float64, device=dev)
         _gae_chunk_kernel[(n_chunks,)](*args, carry, summary, adv, ret, n_chunks, BLOCK=block, WRITE=False,

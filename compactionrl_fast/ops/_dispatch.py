@@ -59,13 +59,41 @@ def available(device: torch.device) -> list[str]:
     return out
 
 
-def resolve(backend: str, device: torch.device, supported=BACKENDS) -> str:
-    """Map `backend` to a concrete backend for `device`, or raise a ValueError that says why not."""
+# One table: the backends each op has, fastest first per device type. `available` filters by what is
+# built and importable; `resolve` is the one place that picks.
+TABLE = {
+    "segment_gae": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch")},
+    "place_final_rewards": {"cuda": ("torch",), "cpu": ("torch",)},
+    "ppo_policy_loss": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch")},
+    "value_loss": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch")},
+    "value_head": {"cuda": ("triton", "torch"), "cpu": ("cpp", "triton", "torch")},
+    "linear_logprobs": {"cuda": ("triton", "torch"), "cpu": ("torch", "triton")},
+}
+
+
+def default_backend() -> str:
+    """COMPACTIONRL_FAST_BACKEND: the backend "auto" means, where the op has it for the device ("auto")."""
+    b = os.environ.get("COMPACTIONRL_FAST_BACKEND", "auto").strip().lower() or "auto"
+    if b not in BACKENDS:
+        raise ValueError(f"COMPACTIONRL_FAST_BACKEND must be one of {BACKENDS}, got {b!r}")
+    return b
+
+
+def resolve(backend: str, device: torch.device, supported=BACKENDS, op: str | None = None) -> str:
+    """Map `backend` to a concrete backend for `device`, or raise a ValueError that says why not.
+
+    `op` (a TABLE key) gives the op's own order; `supported` restricts it further. "auto" takes the
+    COMPACTIONRL_FAST_BACKEND override when the op has that backend for the device, else the first
+    available backend.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    avail = [b for b in available(device) if b in supported]
+    built = available(device)
+    order = TABLE[op]["cuda" if device.type == "cuda" else "cpu"] if op is not None else built
+    avail = [b for b in order if b in built and b in supported]
     if backend == "auto":
-        return avail[0]
+        override = default_backend()
+        return override if override in avail else avail[0]
     if backend in avail:
         return backend
     why = {
@@ -77,6 +105,6 @@ def resolve(backend: str, device: torch.device, supported=BACKENDS) -> str:
         "(pip install --no-build-isolation -e .)",
         "torch": "",
     }[backend]
-    if backend not in supported:
+    if backend not in supported or backend not in order:
         why = f"this op has no {backend} backend"
     raise ValueError(f"backend={backend!r} is not available for {device.type} tensors: {why}")

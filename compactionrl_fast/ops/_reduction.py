@@ -16,13 +16,15 @@ exactly the full-batch loss and gradient, provided no segment ("segment-mean") o
 ("rollout-mean") is split across micro-batches. A zero D (nothing trainable anywhere) gives weight 0.
 
 Everything here is tensor arithmetic on [S] or [R] (no host sync), so it traces under torch.compile.
+A negative or NaN tensor denominator is an error where its value can be read without a sync (CPU), and
+makes the loss NaN elsewhere (never a silent 0).
 """
 from __future__ import annotations
 
 import torch
 
 from . import _dispatch
-from ._validate import check_choice, check_float, check_offsets, check_tensor
+from ._validate import check_choice, check_float, check_offsets, check_tensor, value_checks
 
 REDUCTIONS = ("token-mean", "segment-mean", "rollout-mean", "sum")
 
@@ -30,31 +32,35 @@ REDUCTIONS = ("token-mean", "segment-mean", "rollout-mean", "sum")
 def check_layout(loss_mask, cu_seqlens, cu_segments):
     """Validate `cu_seqlens`/`cu_segments` against `loss_mask` [T]; returns cu_segments in cu_seqlens' dtype.
 
-    The value checks read the offsets on the host; under torch.compile they are skipped (shape and dtype
-    checks remain), so tracing does not break on a data-dependent branch.
+    Dtype, shape and device are always checked; the offsets' values only where `value_checks` allows
+    (CPU by default: no host sync on CUDA, no data-dependent branch under torch.compile). The kernels
+    clamp offsets, so unchecked bad offsets give wrong numbers, never an out-of-bounds access.
     """
     T, device = loss_mask.numel(), loss_mask.device
     if cu_seqlens is None:
         if cu_segments is not None:
             raise ValueError("cu_segments needs cu_seqlens (the segments it groups)")
         return None
-    tracing = torch.compiler.is_compiling()
-    if tracing:
-        check_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
-    else:
+    read = value_checks(cu_seqlens)
+    check_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
+    if read:
         check_offsets("cu_seqlens", cu_seqlens, total=T, device=device)
+    elif cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must have at least one element (offsets [S+1])")
     if cu_segments is None:
         return None
     S = cu_seqlens.numel() - 1
-    if tracing:
-        check_tensor("cu_segments", cu_segments, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
-    else:
+    check_tensor("cu_segments", cu_segments, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
+    if read:
         check_offsets("cu_segments", cu_segments, total=S, device=device, total_name="S (number of segments)")
+    elif cu_segments.numel() < 1:
+        raise ValueError("cu_segments must have at least one element (offsets [R+1])")
     return cu_segments.to(cu_seqlens.dtype)
 
 
-def check_denominator(denominator, reduction):
-    """A number >= 0 or a one-element tensor (which avoids a host sync and recompiles), or None."""
+def check_denominator(denominator, reduction, device=None):
+    """A number >= 0 (a Python float: no host-device copy), a one-element tensor on the data's device
+    (read by the kernels: no sync, no recompiles), or None."""
     if denominator is None:
         return None
     if reduction == "sum":
@@ -63,19 +69,27 @@ def check_denominator(denominator, reduction):
         if denominator.numel() != 1:
             raise ValueError(f"denominator must be a number or a one-element tensor, got shape "
                              f"{tuple(denominator.shape)}")
+        if device is not None and denominator.device != device:
+            raise ValueError(f"denominator is on {denominator.device}, expected {device} (the loss_mask's device)")
+        if denominator.dtype == torch.bool or denominator.is_complex():
+            raise TypeError(f"denominator must be a real number tensor, got {denominator.dtype}")
+        if value_checks(denominator):
+            d = float(denominator.detach().reshape(()))
+            if not d >= 0.0 or d == float("inf"):
+                raise ValueError(f"denominator must be a finite number >= 0, got {d}")
         return denominator.reshape(())
     return check_float("denominator", denominator, 0.0, float("inf"))
 
 
 @torch._dynamo.assume_constant_result
-def _resolve(backend: str, device_type: str, supported: tuple) -> str:
-    return _dispatch.resolve(backend, torch.device(device_type), supported)
+def _resolve(backend: str, device_type: str, supported: tuple, op) -> str:
+    return _dispatch.resolve(backend, torch.device(device_type), supported, op)
 
 
-def resolve_backend(backend, device, supported=_dispatch.BACKENDS):
+def resolve_backend(backend, device, supported=_dispatch.BACKENDS, op=None):
     """`_dispatch.resolve`, seen by torch.compile as a constant (it imports modules and reads the
     environment, which dynamo will not trace)."""
-    return _resolve(backend, device.type, tuple(supported))
+    return _resolve(backend, device.type, tuple(supported), op)
 
 
 _CPP_COUNTS = _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "segment_counts")
@@ -86,11 +100,26 @@ if _CPP_COUNTS:
 
 
 def segment_counts(loss_mask, cu_seqlens):
-    """Trainable tokens of each segment: int64 [S]. C++ on CPU (no [T] temporary), torch elsewhere."""
+    """Trainable tokens of each segment: int64 [S]. C++ on CPU, a Triton kernel on CUDA (no [T]
+    temporary either way), torch elsewhere."""
     if loss_mask.device.type == "cpu" and _CPP_COUNTS:
         return torch.ops.compactionrl_fast.segment_counts(loss_mask, cu_seqlens)
+    if loss_mask.device.type == "cuda" and _dispatch.has_triton():
+        return torch.ops.compactionrl_fast.segment_counts_triton(loss_mask, cu_seqlens)
     csum = torch.nn.functional.pad(torch.cumsum(loss_mask, 0), (1, 0))
-    return csum[cu_seqlens.long()].diff()
+    return csum[cu_seqlens.long().clamp(0, loss_mask.numel())].diff()
+
+
+@torch.library.custom_op("compactionrl_fast::segment_counts_triton", mutates_args=())
+def _segment_counts_triton(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    from ..kernels.segments import segment_counts as launch
+
+    return launch(loss_mask, cu_seqlens)
+
+
+@_segment_counts_triton.register_fake
+def _(loss_mask, cu_seqlens):
+    return cu_seqlens.new_empty(cu_seqlens.shape[0] - 1, dtype=torch.int64)
 
 
 def _unit_counts(loss_mask, cu_seqlens, cu_segments, reduction):
@@ -107,60 +136,78 @@ def _unit_counts(loss_mask, cu_seqlens, cu_segments, reduction):
         return n, n.sum()
     if reduction == "rollout-mean" and cu_segments is not None:
         S, R = n.numel(), cu_segments.numel() - 1
-        roll = torch.repeat_interleave(torch.arange(R, device=n.device), cu_segments.diff().long(), output_size=S)
+        roll = torch.repeat_interleave(torch.arange(R, device=n.device), cu_segments.diff().long().clamp(min=0),
+                                       output_size=S)
         n_r = torch.zeros(R, dtype=n.dtype, device=n.device).index_add_(0, roll, n)
         return n_r[roll], (n_r > 0).sum()
     return n, (n > 0).sum()
 
 
 def _inverse(x):
-    """1/x where x > 0, else 0, in float64."""
-    x = x.double()
-    return torch.where(x > 0, 1.0 / torch.where(x > 0, x, 1.0), 0.0)
+    """1/x for counts x >= 0, with 1/0 = 0, in float64."""
+    return x.double().reciprocal().nan_to_num_(posinf=0.0)
+
+
+def _inverse_denominator(d):
+    """1/d for a user's denominator: 0 for d = 0, NaN for d < 0 or NaN (the loss shows it), float64."""
+    if isinstance(d, float):
+        return 0.0 if d == 0.0 else 1.0 / d
+    d = d.double()
+    return torch.where(d > 0, d.reciprocal(), torch.where(d == 0, 0.0, float("nan")))
 
 
 def segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator=None):
     """Reduction weight of each segment's tokens: float64 [S] ([1] when cu_seqlens is None)."""
     device = loss_mask.device
+    S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
     if reduction == "sum":
-        S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
         return torch.ones(S, dtype=torch.float64, device=device)
+    if reduction == "token-mean" and denominator is not None:  # no counts needed
+        inv = _inverse_denominator(denominator)
+        if isinstance(inv, float):
+            return torch.full((S,), inv, dtype=torch.float64, device=device)
+        return inv.expand(S).contiguous()
     n, d = _unit_counts(loss_mask, cu_seqlens, cu_segments, reduction)
-    if denominator is not None:
-        d = torch.as_tensor(denominator, device=device)
+    inv_d = _inverse(d) if denominator is None else _inverse_denominator(denominator)
     if reduction == "token-mean":
-        return _inverse(d).expand(n.numel()).contiguous()
-    return _inverse(n) * _inverse(d)
+        return inv_d.expand(S).contiguous()
+    return _inverse(n) * inv_d
 
 
-def global_denominator(reduction, loss_mask, *, cu_seqlens=None, cu_segments=None, group=None) -> int:
+def global_denominator(reduction, loss_mask, *, cu_seqlens=None, cu_segments=None, group=None,
+                       as_tensor=False):
     """The denominator D of `reduction` summed over the ranks of `group` (all-reduce when
     torch.distributed is initialised): trainable tokens ("token-mean"), segments with a trainable token
     ("segment-mean") or rollouts with a trainable token ("rollout-mean") of this rank's full batch.
 
     Pass it as `denominator=` to the loss of every micro-batch on every rank: the summed gradients then
-    equal those of the global batch.
+    equal those of the global batch. Returns a Python int (a host sync on CUDA), or with
+    `as_tensor=True` an int64 [] tensor on the mask's device (no sync; the loss kernels read it there).
     """
     check_choice("reduction", reduction, REDUCTIONS[:3])
     check_tensor("loss_mask", loss_mask, dtypes=(torch.bool,), ndim=1)
+    if loss_mask.device.type == "meta" and not as_tensor:
+        raise ValueError("loss_mask is on the meta device, which holds no values: a Python int count needs real "
+                         "data (pass as_tensor=True for a meta tensor)")
     cu_segments = check_layout(loss_mask, cu_seqlens, cu_segments)
     _, count = _unit_counts(loss_mask, cu_seqlens, cu_segments, reduction)
     count = count.to(torch.int64).reshape(1)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(count, group=group)
-    return int(count.item())
+    return count.reshape(()) if as_tensor else int(count.item())
 
 
-def global_token_count(loss_mask, group=None) -> int:
+def global_token_count(loss_mask, group=None, *, as_tensor=False):
     """Trainable tokens in `loss_mask` [T] bool, summed over the ranks of `group` (an all-reduce when
     torch.distributed is initialised). The `denominator` of "token-mean" for gradient accumulation.
+    `as_tensor=True` returns an int64 [] tensor on the mask's device instead of an int (no host sync).
 
     Example:
         >>> import torch, compactionrl_fast as crf
         >>> crf.global_token_count(torch.tensor([True, False, True]))
         2
     """
-    return global_denominator("token-mean", loss_mask, group=group)
+    return global_denominator("token-mean", loss_mask, group=group, as_tensor=as_tensor)
 
 
 def register_loss_op(name: str, fake, n_inputs: int) -> None:
@@ -173,12 +220,18 @@ def register_loss_op(name: str, fake, n_inputs: int) -> None:
         ctx.save_for_backward(output[2])
 
     def backward(ctx, d_loss, d_metrics, d_grad):
-        # In place: the saved buffer becomes the input's gradient, so fwd+bwd allocate one [T] buffer in all.
-        # A second backward through the same graph (retain_graph=True) then fails loudly on the saved
-        # tensor's version counter instead of computing a wrong gradient.
+        # The saved buffer becomes the input's gradient (fwd+bwd allocate one [T] buffer in all). It is
+        # handed out once: a second backward through the same graph (retain_graph=True) would have to
+        # scale the buffer the first one returned, so it is refused instead.
+        if getattr(ctx, "grad_handed_out", False):
+            raise RuntimeError(f"{name}: a second backward through the same loss is not supported (the first "
+                               "backward handed out its gradient buffer); compute the loss again, or use "
+                               "backend='torch'")
+        ctx.grad_handed_out = True
         (grad,) = ctx.saved_tensors
-        if not torch.compiler.is_compiling() and d_loss.device.type == "cpu" and d_loss.item() == 1.0:
-            return (grad,) + none  # loss.backward(): skip a pass over [T] (no sync on CPU)
+        if type(d_loss) is torch.Tensor and d_loss.device.type == "cpu" and not torch.compiler.is_compiling() \
+                and d_loss.item() == 1.0:
+            return (grad,) + none  # loss.backward() in eager mode on CPU: skip a pass over [T] (no sync there)
         return (grad.mul_(d_loss),) + none
 
     torch.library.register_fake(name, fake)

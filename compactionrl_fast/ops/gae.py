@@ -1,32 +1,83 @@
-"""`segment_gae` and `place_final_rewards`: GAE over packed, compacted rollouts (SPEC section 4).
+"""`segment_gae` and `place_final_rewards`: GAE over packed, compacted rollouts (docs/ops.md).
 
-Backends: "triton" (kernels/gae.py), "cuda" and "cpp" (csrc/, op `compactionrl_fast::segment_gae`),
-"torch" (the reference). Advantages are targets, not functions of parameters: no autograd here.
+Backends: "triton" (kernels/gae.py, custom op `compactionrl_fast::segment_gae_triton`), "cuda" and "cpp"
+(csrc/, op `compactionrl_fast::segment_gae`), "torch" (the reference). Both ops are torch.library custom
+ops with fake impls, so torch.compile traces them without a graph break; advantages are targets, not
+functions of parameters, so there is no autograd. No host sync on CUDA tensors: offsets are checked
+where `value_checks` allows, and every kernel clamps them.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from ..reference import gae as ref
-from . import _dispatch
-from ._validate import FLOAT_DTYPES, check_choice, check_float, check_offsets, check_tensor
+from ._reduction import resolve_backend
+from ._validate import FLOAT_DTYPES, check_choice, check_float, check_offsets, check_tensor, value_checks
 
 CROSS_MODES = {"none": 0, "paper": 1, "stitched": 2}
 LAM_CONST, LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT, LAM_TENSOR = 0, 1, 2, 3
 
 
 def _check_packed(rewards, values, loss_mask, cu_seqlens, cu_segments):
-    """Validate the packed layout; return (cu_seqlens, cu_segments) of one index dtype, S and R."""
+    """Validate the packed layout; return (cu_seqlens, cu_segments) of one index dtype, S and R.
+    `rewards`/`values` [T] are checked unless both are None (place_final_rewards)."""
     check_tensor("loss_mask", loss_mask, dtypes=(torch.bool,), ndim=1)
     device, T = loss_mask.device, loss_mask.numel()
-    for name, t in (("rewards", rewards), ("values", values)):
-        if t is not None:
-            check_tensor(name, t, dtypes=FLOAT_DTYPES, ndim=1, device=device, numel=T)
-    S = check_offsets("cu_seqlens", cu_seqlens, total=T, device=device)
+    for name, t in () if rewards is None and values is None else (("rewards", rewards), ("values", values)):
+        check_tensor(name, t, dtypes=FLOAT_DTYPES, ndim=1, device=device)
+        if t.numel() != T:
+            raise ValueError(f"{name} has {t.numel()} elements but loss_mask has {T}: rewards, values and "
+                             "loss_mask must all be [T]")
+    read = value_checks(loss_mask)
+    check_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
+    if cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must have at least one element (offsets [S+1])")
+    S = check_offsets("cu_seqlens", cu_seqlens, total=T, device=device) if read else cu_seqlens.numel() - 1
     if cu_segments is None:
         cu_segments = torch.arange(S + 1, dtype=cu_seqlens.dtype, device=device)
-    R = check_offsets("cu_segments", cu_segments, total=S, device=device, total_name="S (number of segments)")
-    return cu_seqlens, cu_segments.to(cu_seqlens.dtype), S, R
+    check_tensor("cu_segments", cu_segments, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
+    if cu_segments.numel() < 1:
+        raise ValueError("cu_segments must have at least one element (offsets [R+1])")
+    if read:
+        check_offsets("cu_segments", cu_segments, total=S, device=device, total_name="S (number of segments)")
+    return cu_seqlens.contiguous(), cu_segments.to(cu_seqlens.dtype).contiguous(), S, cu_segments.numel() - 1
+
+
+# ---------------------------------------------------------------- custom ops
+# (rewards [T] f32, values [T] f32, loss_mask [T] bool, cu_seqlens [S+1], cu_segments [R+1] (one index dtype),
+#  lam_seg [S] f32?, gamma, lam, lam_mode, alpha, cross, lam_critic (< 0: None)) -> (adv [T] f32, ret [T] f32)
+
+
+def _gae_fake(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha, cross,
+              lam_critic):
+    T = loss_mask.shape[0]
+    return rewards.new_empty(T, dtype=torch.float32), rewards.new_empty(T, dtype=torch.float32)
+
+
+@torch.library.custom_op("compactionrl_fast::segment_gae_triton", mutates_args=())
+def _gae_triton(rewards: Tensor, values: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, cu_segments: Tensor,
+                lam_seg: Optional[Tensor], gamma: float, lam: float, lam_mode: int, alpha: float, cross: int,
+                lam_critic: float) -> tuple[Tensor, Tensor]:
+    from ..kernels.gae import segment_gae_fwd
+
+    return segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode,
+                           alpha, cross, lam_critic)
+
+
+torch.library.register_fake("compactionrl_fast::segment_gae_triton", _gae_fake)
+
+
+def _register_cpp_fake():
+    from . import _dispatch
+
+    if _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "segment_gae"):
+        torch.library.register_fake("compactionrl_fast::segment_gae", _gae_fake)
+
+
+_register_cpp_fake()
 
 
 def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gamma=1.0, lam="adaptive",
@@ -72,9 +123,9 @@ def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gam
     lam_seg, lam_val = None, 0.0
     if isinstance(lam, torch.Tensor):
         check_tensor("lam", lam, dtypes=FLOAT_DTYPES, ndim=1, device=device, numel=S)
-        if S and bool(((lam < 0) | (lam > 1) | lam.isnan()).any()):
+        if S and value_checks(lam) and bool(((lam < 0) | (lam > 1) | lam.isnan()).any()):
             raise ValueError("lam (per-segment tensor) must hold values in [0, 1]")
-        lam_mode, lam_seg = LAM_TENSOR, lam.float().contiguous()
+        lam_mode, lam_seg = LAM_TENSOR, lam.detach().float().contiguous()
     elif isinstance(lam, str):
         if lam != "adaptive":
             raise ValueError(f"lam must be a float, a per-segment tensor or 'adaptive', got {lam!r}")
@@ -83,7 +134,7 @@ def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gam
         lam_mode, lam_val = LAM_CONST, check_float("lam", lam, 0.0, 1.0)
     lam_c = -1.0 if lam_critic is None else check_float("lam_critic", lam_critic, 0.0, 1.0)
 
-    b = _dispatch.resolve(backend, device)
+    b = resolve_backend(backend, device, op="segment_gae")
     rewards, values = rewards.detach().float().contiguous(), values.detach().float().contiguous()
     if b == "torch":
         adv, ret = ref.segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments, gamma=gamma,
@@ -91,12 +142,9 @@ def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gam
                                    cross_segment=cross_segment, lam_critic=lam_critic,
                                    adaptive_alpha=alpha, adaptive_length=adaptive_length)
         return adv.float().to(device), ret.float().to(device)
-    args = (rewards, values, loss_mask.contiguous(), cu_seqlens.contiguous(), cu_segments.contiguous(),
-            lam_seg, gamma, lam_val, lam_mode, alpha, CROSS_MODES[cross_segment], lam_c)
-    if b == "triton":
-        from ..kernels.gae import segment_gae_fwd
-        return segment_gae_fwd(*args)
-    return torch.ops.compactionrl_fast.segment_gae(*args)
+    op = torch.ops.compactionrl_fast.segment_gae_triton if b == "triton" else torch.ops.compactionrl_fast.segment_gae
+    return op(rewards, values, loss_mask.contiguous(), cu_seqlens, cu_segments, lam_seg, gamma, lam_val, lam_mode,
+              alpha, CROSS_MODES[cross_segment], lam_c)
 
 
 def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None, mode="paper"):
@@ -110,22 +158,40 @@ def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None
         rollout_rewards: [R] float.
         loss_mask: [T] bool; cu_seqlens: [S+1]; cu_segments: [R+1] or None (one segment per rollout).
     """
+    check_tensor("loss_mask", loss_mask, dtypes=(torch.bool,), ndim=1)
+    check_tensor("rollout_rewards", rollout_rewards, dtypes=FLOAT_DTYPES, ndim=1, device=loss_mask.device)
     cu_seqlens, cu_segments, S, R = _check_packed(None, None, loss_mask, cu_seqlens, cu_segments)
     check_choice("mode", mode, ("paper", "stitched"))
-    check_tensor("rollout_rewards", rollout_rewards, dtypes=FLOAT_DTYPES, ndim=1, device=loss_mask.device,
-                 numel=R)
-    T, device = loss_mask.numel(), loss_mask.device
-    out = torch.zeros(T, dtype=torch.float32, device=device)
-    if T == 0 or S == 0:
-        return out
-    # last trainable position of each segment: max over positions, -1 where none
-    pos = torch.where(loss_mask, torch.arange(T, device=device), -1)
-    seg_of_tok = torch.repeat_interleave(torch.arange(S, device=device), cu_seqlens.diff().long(), output_size=T)
-    last = torch.full((S,), -1, dtype=torch.long, device=device).scatter_reduce(0, seg_of_tok, pos, "amax")
-    roll_of_seg = torch.repeat_interleave(torch.arange(R, device=device), cu_segments.diff().long(), output_size=S)
-    if mode == "stitched":  # keep only the rollout's last segment that has a trainable token
-        last_r = torch.full((R,), -1, dtype=torch.long, device=device).scatter_reduce(0, roll_of_seg, last, "amax")
-        last, roll_of_seg = last_r, torch.arange(R, device=device)
-    keep = last >= 0
-    out[last[keep]] = rollout_rewards.detach().float()[roll_of_seg[keep]]
-    return out
+    if rollout_rewards.numel() != R:
+        raise ValueError(f"rollout_rewards must have one reward per rollout (R={R}), got shape "
+                         f"{tuple(rollout_rewards.shape)}")
+    return torch.ops.compactionrl_fast.place_final_rewards(rollout_rewards.detach().float().contiguous(),
+                                                           loss_mask.contiguous(), cu_seqlens, cu_segments,
+                                                           mode == "stitched")
+
+
+@torch.library.custom_op("compactionrl_fast::place_final_rewards", mutates_args=())
+def _place_final_rewards(rollout_rewards: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, cu_segments: Tensor,
+                         stitched: bool) -> Tensor:
+    # Offsets are clamped and searched, never trusted as indices: bad offsets misplace rewards, nothing more.
+    T, S, R = loss_mask.numel(), cu_seqlens.numel() - 1, cu_segments.numel() - 1
+    device = loss_mask.device
+    out = torch.zeros(T + 1, dtype=torch.float32, device=device)  # slot T takes the rewards placed nowhere
+    if T == 0 or S == 0 or R == 0:
+        return out[:T]
+    idx = torch.arange(max(T, S, R), device=device)
+    pos = idx[:T]
+    seg_of_tok = torch.searchsorted(cu_seqlens[1:].clamp(0, T), pos, right=True).clamp_(max=S - 1)
+    last = torch.full((S,), -1, dtype=torch.long, device=device).scatter_reduce_(
+        0, seg_of_tok, torch.where(loss_mask, pos, -1), "amax")  # last trainable position, -1 if none
+    roll_of_seg = torch.searchsorted(cu_segments[1:].clamp(0, S), idx[:S], right=True).clamp_(max=R - 1)
+    if stitched:  # keep only the rollout's last trainable position
+        last = torch.full((R,), -1, dtype=torch.long, device=device).scatter_reduce_(0, roll_of_seg, last, "amax")
+        roll_of_seg = idx[:R]
+    out.index_put_((torch.where(last >= 0, last, T),), rollout_rewards[roll_of_seg])
+    return out[:T]
+
+
+@_place_final_rewards.register_fake
+def _(rollout_rewards, loss_mask, cu_seqlens, cu_segments, stitched):
+    return rollout_rewards.new_empty(loss_mask.shape[0], dtype=torch.float32)

@@ -56,12 +56,27 @@ void gae_rollout(int64_t r, const idx_t* cu_seq, const idx_t* cu_seg, const floa
   }
 }
 
+// Offsets are checked here too (O(S + R)), since the op can be called without the Python checks (directly,
+// or under torch.compile): a bad layout is a ValueError, never an out-of-bounds access.
+template <typename idx_t>
+void check_offsets(const idx_t* cu, int64_t n, int64_t total, const char* name, const char* total_name) {
+  TORCH_CHECK_VALUE(n >= 1 && cu[0] == 0, "segment_gae: ", name, "[0] must be 0");
+  for (int64_t i = 1; i < n; ++i)
+    TORCH_CHECK_VALUE(cu[i] >= cu[i - 1], "segment_gae: ", name, " must be non-decreasing, but ", name, "[", i,
+                      "]=", (int64_t)cu[i], " < ", name, "[", i - 1, "]=", (int64_t)cu[i - 1]);
+  TORCH_CHECK_VALUE(cu[n - 1] == total, "segment_gae: ", name, "[-1] must equal ", total_name, "=", total, ", got ",
+                    (int64_t)cu[n - 1]);
+}
+
 std::tuple<at::Tensor, at::Tensor> segment_gae_cpu(const at::Tensor& rewards, const at::Tensor& values,
                                                    const at::Tensor& loss_mask, const at::Tensor& cu_seqlens,
                                                    const at::Tensor& cu_segments,
                                                    const std::optional<at::Tensor>& lam_seg, double gamma,
                                                    double lam, int64_t lam_mode, double alpha, int64_t cross,
                                                    double lam_critic) {
+  TORCH_CHECK(rewards.device().is_cpu() && values.device().is_cpu() && loss_mask.device().is_cpu() &&
+                  cu_seqlens.device().is_cpu() && cu_segments.device().is_cpu(),
+              "segment_gae: all tensors must be on the CPU");
   TORCH_CHECK(rewards.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
               "segment_gae: rewards and values must be float32");
   TORCH_CHECK(loss_mask.scalar_type() == at::kBool, "segment_gae: loss_mask must be bool");
@@ -76,6 +91,16 @@ std::tuple<at::Tensor, at::Tensor> segment_gae_cpu(const at::Tensor& rewards, co
     ls = lam_seg->to(at::kFloat).contiguous();
     lam_ptr = ls.data_ptr<float>();
   }
+  TORCH_CHECK_VALUE(rew.numel() == mask.numel() && val.numel() == mask.numel(),
+                    "segment_gae: rewards, values and loss_mask must all be [T]");
+  TORCH_CHECK_VALUE(cs.dim() == 1 && cg.dim() == 1 && cs.numel() >= 1 && cg.numel() >= 1,
+                    "segment_gae: cu_seqlens and cu_segments must be 1-D with at least one element");
+  AT_DISPATCH_INDEX_TYPES(cs.scalar_type(), "segment_gae_cpu_check", [&] {
+    check_offsets<index_t>(cs.data_ptr<index_t>(), cs.numel(), mask.numel(), "cu_seqlens", "T");
+    check_offsets<index_t>(cg.data_ptr<index_t>(), cg.numel(), cs.numel() - 1, "cu_segments", "S");
+  });
+  if (lam_mode == crf::kLamTensor)
+    TORCH_CHECK_VALUE(ls.numel() == cs.numel() - 1, "segment_gae: lam_seg must be [S]");
   auto adv = crf::empty_output(rew.sizes(), rew.options()), ret = crf::empty_output(rew.sizes(), rew.options());
   const int64_t R = cg.numel() - 1;
   // ~32K tokens per task (ATen's grain): a small batch stays on the calling thread, since waking a pool

@@ -1,22 +1,45 @@
 """compactionrl-fast: fused ops, a compaction rollout runtime and a PPO trainer for CompactionRL.
 
-The public API is re-exported here; see the README for the list.
+`import compactionrl_fast` loads the ops only; the rollout runtime, the built-in task, the trainer and the
+integrations load on first use of one of their names (so a trainer that only wants the kernels pays no
+transformers import). The public API is listed in `__all__`; see docs/ and the README.
 """
+import importlib
+
 from .ops import place_final_rewards, segment_gae
 from .ops import linear_logprobs, linear_logprobs_loss
 from .ops import (global_denominator, global_token_count, ppo_policy_loss, value_head, value_head_loss,
                   value_loss)
 from .ops._dispatch import available as available_backends
-from .packing import PackedBatch, pack
-from .rollout import (Rollout, RolloutConfig, Segment, TransformersEngine, VLLMEngine, arun_rollouts,
-                      run_rollouts)
-from .envs import MemoryEnv, ScriptedExpert, expert_rollouts, memory_config, memory_tokenizer
 
 __version__ = "0.1.0"
+
+# name -> submodule that defines it, imported on first access
+_LAZY = {
+    "PackedBatch": "packing", "pack": "packing",
+    "Rollout": "rollout", "RolloutConfig": "rollout", "Segment": "rollout", "TransformersEngine": "rollout",
+    "VLLMEngine": "rollout", "arun_rollouts": "rollout", "run_rollouts": "rollout",
+    "MemoryEnv": "envs", "ScriptedExpert": "envs", "expert_rollouts": "envs", "memory_config": "envs",
+    "memory_tokenizer": "envs",
+}
+_SUBMODULES = ("packing", "rollout", "envs", "train", "integrations", "reference", "demo", "cli")
+
 __all__ = ["segment_gae", "place_final_rewards", "available_backends", "__version__"]
 __all__ += ["linear_logprobs", "linear_logprobs_loss"]
 __all__ += ["ppo_policy_loss", "value_loss", "value_head", "value_head_loss", "global_token_count",
             "global_denominator"]
-__all__ += ["PackedBatch", "pack", "RolloutConfig", "Rollout", "Segment", "run_rollouts", "arun_rollouts",
-            "TransformersEngine", "VLLMEngine", "MemoryEnv", "ScriptedExpert", "expert_rollouts", "memory_config",
-            "memory_tokenizer"]
+__all__ += list(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))

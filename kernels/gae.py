@@ -29,7 +29,7 @@ import triton.language as tl
 
 from compactionrl_fast.ops._alloc import empty
 
-from .segments import sanitize_offsets
+from .segments import device_guard, sanitize_offsets
 
 ACC = tl.float64  # accumulation dtype of the maps and carries (see the module docstring)
 LAM_CONST, LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT, LAM_TENSOR = 0, 1, 2, 3  # as compactionrl_fast/ops/gae.py
@@ -282,6 +282,14 @@ def _segment_stats(counts, cu, cs, S, R, gamma, lam_seg, lam, lam_mode, alpha, c
 
 def segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha,
                     cross, lam_critic, *, block=None, chunk=None):
+    """Launch the segment_gae kernels on the tensors' device (arguments: `_segment_gae_fwd`)."""
+    with device_guard(loss_mask):
+        return _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode,
+                                alpha, cross, lam_critic, block=block, chunk=chunk)
+
+
+def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha,
+                     cross, lam_critic, *, block=None, chunk=None):
     """Launch the segment_gae kernels; arguments as `torch.ops.compactionrl_fast.segment_gae`.
 
     Args:

@@ -37,13 +37,18 @@ def sanitize_offsets(cu, total):
     return torch.cummax(c, 0).values
 
 
+def device_guard(t):
+    """Launch on `t`'s device, not the current one (a no-op for CPU tensors under the interpreter)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
 def segment_counts(loss_mask, cu_seqlens):
     """Trainable tokens per segment. loss_mask: [T] bool; cu_seqlens: [S+1] int32/int64 -> int64 [S]."""
     T, S = loss_mask.numel(), cu_seqlens.numel() - 1
     counts = torch.empty(S, dtype=torch.int64, device=loss_mask.device)
     if S > 0:
         block = BLOCK if loss_mask.device.type == "cuda" else INTERPRET_BLOCK
-        with torch.cuda.device(loss_mask.device) if loss_mask.device.type == "cuda" else contextlib.nullcontext():
+        with device_guard(loss_mask):
             _segment_counts_kernel[(S,)](loss_mask.view(torch.uint8), cu_seqlens, counts, T, BLOCK=block)
     return counts
 

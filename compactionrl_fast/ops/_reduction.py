@@ -139,7 +139,7 @@ def _unit_counts(loss_mask, cu_seqlens, cu_segments, reduction):
         roll = torch.repeat_interleave(torch.arange(R, device=n.device), cu_segments.diff().long().clamp(min=0),
                                        output_size=S)
         n_r = torch.zeros(R, dtype=n.dtype, device=n.device).index_add_(0, roll, n)
-        return n_r[roll], (n_r > 0).sum()
+        return n_r.index_select(0, roll), (n_r > 0).sum()
     return n, (n > 0).sum()
 
 
@@ -166,11 +166,11 @@ def segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator=N
         inv = _inverse_denominator(denominator)
         if isinstance(inv, float):
             return torch.full((S,), inv, dtype=torch.float64, device=device)
-        return inv.expand(S).contiguous()
+        return inv.reshape(1).repeat(S)
     n, d = _unit_counts(loss_mask, cu_seqlens, cu_segments, reduction)
     inv_d = _inverse(d) if denominator is None else _inverse_denominator(denominator)
     if reduction == "token-mean":
-        return inv_d.expand(S).contiguous()
+        return inv_d.reshape(1).repeat(S)
     return _inverse(n) * inv_d
 
 
@@ -210,14 +210,9 @@ def global_token_count(loss_mask, group=None, *, as_tensor=False):
     return global_denominator("token-mean", loss_mask, group=group, as_tensor=as_tensor)
 
 
-def register_loss_op(name: str, fake, n_inputs: int) -> None:
-    """Fake impl and autograd of a loss op `name` returning (loss [], metrics [k], grad [T] or [0]), where the
-    kernel already wrote d loss / d input-0 into `grad` (the other `n_inputs - 1` inputs get no gradient)."""
+def loss_backward(name: str, n_inputs: int):
+    """The backward of a loss op `name` (see `register_loss_op`): d input-0 = saved grad * d_loss."""
     none = (None,) * (n_inputs - 1)
-
-    def setup_context(ctx, inputs, output):
-        ctx.set_materialize_grads(False)  # no zero [T] gradient for the unused `grad` output
-        ctx.save_for_backward(output[2])
 
     def backward(ctx, d_loss, d_metrics, d_grad):
         # The saved buffer becomes the input's gradient (fwd+bwd allocate one [T] buffer in all). It is
@@ -234,5 +229,16 @@ def register_loss_op(name: str, fake, n_inputs: int) -> None:
             return (grad,) + none  # loss.backward() in eager mode on CPU: skip a pass over [T] (no sync there)
         return (grad.mul_(d_loss),) + none
 
+    return backward
+
+
+def register_loss_op(name: str, fake, n_inputs: int) -> None:
+    """Fake impl and autograd of a loss op `name` returning (loss [], metrics [k], grad [T] or [0]), where the
+    kernel already wrote d loss / d input-0 into `grad` (the other `n_inputs - 1` inputs get no gradient)."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)  # no zero [T] gradient for the unused `grad` output
+        ctx.save_for_backward(output[2])
+
     torch.library.register_fake(name, fake)
-    torch.library.register_autograd(name, backward, setup_context=setup_context)
+    torch.library.register_autograd(name, loss_backward(name, n_inputs), setup_context=setup_context)

@@ -1,0 +1,292 @@
+"""The op skeleton: no host sync on CUDA tensors, few eager ops per call, torch.compile without graph
+breaks, one dispatch table with a global override, bad offsets never crash a kernel, lazy imports.
+
+Sync-freedom is checked without a GPU: under FakeTensorMode, tensors made with device="cuda" exist on a
+CPU-only torch, and any read of device data on the host raises DataDependentOutputException.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import compactionrl_fast as crf
+from compactionrl_fast.ops import _dispatch
+from compactionrl_fast.reference import gae as ref_gae
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten/custom ops a call dispatches (prim.* device queries are not ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not str(func).startswith("prim."):
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self):
+        return sum(self.ops.values())
+
+
+def _fake_batch(T=64):
+    dev = "cuda"
+    return dict(mask=torch.ones(T, dtype=torch.bool, device=dev), cu=torch.tensor([0, 20, 40, 64], device=dev),
+                cs=torch.tensor([0, 2, 3], device=dev), x=torch.zeros(T, device=dev), y=torch.zeros(T, device=dev),
+                rr=torch.ones(2, device=dev), dev=dev, T=T)
+
+
+# (name, call, eager-op budget): the budget is what each op dispatches today around its kernels (outputs
+# included); the issue's target is 8. A change that adds ops or a host sync fails here.
+CALLS = [
+    ("segment_gae", lambda b: crf.segment_gae(b["x"], b["y"], b["mask"], b["cu"], b["cs"]), 4),
+    ("segment_gae lam tensor", lambda b: crf.segment_gae(b["x"], b["y"], b["mask"], b["cu"], b["cs"],
+                                                         lam=torch.full((3,), 0.9, device=b["dev"])), 6),
+    ("place_final_rewards", lambda b: crf.place_final_rewards(b["rr"], b["mask"], b["cu"], b["cs"]), 4),
+    ("ppo_policy_loss token-mean", lambda b: crf.ppo_policy_loss(b["x"], b["y"], b["y"], b["mask"],
+                                                                 cu_seqlens=b["cu"], cu_segments=b["cs"]), 12),
+    ("ppo_policy_loss denominator", lambda b: crf.ppo_policy_loss(b["x"], b["y"], b["y"], b["mask"], denominator=512.0), 6),
+    ("ppo_policy_loss tensor denominator", lambda b: crf.ppo_policy_loss(
+        b["x"], b["y"], b["y"], b["mask"], denominator=crf.global_token_count(b["mask"], as_tensor=True)), 21),
+    ("ppo_policy_loss rollout-mean", lambda b: crf.ppo_policy_loss(b["x"], b["y"], b["y"], b["mask"], cu_seqlens=b["cu"],
+                                                                   cu_segments=b["cs"], reduction="rollout-mean"), 25),
+    ("value_loss", lambda b: crf.value_loss(b["x"], b["y"], b["y"], b["mask"], cu_seqlens=b["cu"], clip=0.2), 12),
+    ("global_token_count", lambda b: crf.global_token_count(b["mask"], as_tensor=True), 6),
+]
+
+
+@pytest.mark.skipif(not _dispatch.has_triton(), reason="the CUDA default backend is triton")
+@pytest.mark.parametrize("name,call,budget", CALLS, ids=[c[0] for c in CALLS])
+def test_no_host_sync_on_cuda_and_op_budget(name, call, budget):
+    with FakeTensorMode():
+        b = _fake_batch()
+        counter = CountOps()
+        with counter:
+            call(b)  # a host read of device data raises DataDependentOutputException here
+    assert counter.total <= budget, f"{name}: {counter.total} ops > {budget}: {dict(counter.ops)}"
+
+
+def test_fake_mode_catches_a_sync():
+    """The check above can fail: a host read under FakeTensorMode raises."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    with FakeTensorMode():
+        m = torch.ones(8, dtype=torch.bool, device="cuda")
+        with pytest.raises(DataDependentOutputException):
+            m.sum().item()
+        with pytest.raises(DataDependentOutputException):
+            crf.global_token_count(m)  # the Python-int variant syncs by design
+
+
+def test_loss_backward_has_no_host_read_and_refuses_a_second_call():
+    """The registered backward scales the saved gradient on the device (no .item() on CUDA tensors), and a
+    second backward through the same graph is refused (it would rescale the gradient handed out)."""
+    from compactionrl_fast.ops._reduction import loss_backward
+
+    class Ctx:
+        pass
+
+    with FakeTensorMode():
+        ctx = Ctx()
+        ctx.saved_tensors = (torch.ones(8, device="cuda"),)
+        backward = loss_backward("compactionrl_fast::value_loss", 8)
+        out = backward(ctx, torch.tensor(2.0, device="cuda"), None, None)
+        assert out[0].shape == (8,) and len(out) == 8 and all(o is None for o in out[1:])
+        with pytest.raises(RuntimeError, match="second backward"):
+            backward(ctx, torch.tensor(2.0, device="cuda"), None, None)
+
+
+@pytest.mark.parametrize("backend", [b for b in ("cpp", "triton") if b in _dispatch.available(torch.device("cpu"))])
+def test_segment_gae_and_rewards_compile_fullgraph(backend):
+    torch._dynamo.reset()
+    mask = torch.tensor([0, 1, 1, 0, 1, 1, 1, 0], dtype=torch.bool)
+    cu, cs = torch.tensor([0, 5, 8]), torch.tensor([0, 2])
+    values = torch.linspace(0, 1, 8)
+
+    def step(rr, values, mask, cu, cs):
+        rew = crf.place_final_rewards(rr, mask, cu, cs)
+        return crf.segment_gae(rew, values, mask, cu, cs, backend=backend)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    adv, ret = compiled(torch.tensor([1.0]), values, mask, cu, cs)
+    want_adv, want_ret = ref_gae.segment_gae(ref_gae.place_final_rewards(torch.tensor([1.0]), mask, cu, cs), values,
+                                             mask, cu, cs)
+    torch.testing.assert_close(adv, want_adv.float(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ret, want_ret.float(), atol=1e-6, rtol=1e-6)
+
+
+def test_place_final_rewards_matches_reference_on_random_layouts():
+    from tests.utils import packed_batch, random_case
+
+    for seed in range(6):
+        b = packed_batch(random_case(seed), seed=seed, index_dtype=(torch.int32, torch.int64)[seed % 2])
+        R = b["cu_segments"].numel() - 1
+        rr = torch.randn(R)
+        for mode in ("paper", "stitched"):
+            got = crf.place_final_rewards(rr, b["loss_mask"], b["cu_seqlens"], b["cu_segments"], mode=mode)
+            want = ref_gae.place_final_rewards(rr, b["loss_mask"], b["cu_seqlens"], b["cu_segments"], mode=mode)
+            torch.testing.assert_close(got, want.float(), atol=0, rtol=0)
+
+
+def test_place_final_rewards_bad_inputs():
+    mask, cu, cs = torch.ones(4, dtype=torch.bool), torch.tensor([0, 2, 4]), torch.tensor([0, 2])
+    with pytest.raises(ValueError, match="rollout_rewards"):
+        crf.place_final_rewards(torch.ones(2), mask, cu, cs)
+    with pytest.raises(TypeError, match="rollout_rewards"):
+        crf.place_final_rewards(torch.ones(1, dtype=torch.long), mask, cu, cs)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        crf.place_final_rewards(torch.ones(1), mask, torch.tensor([0, 3, 2]), cs)
+    with pytest.raises(ValueError, match="cu_segments"):
+        crf.place_final_rewards(torch.ones(1), mask, cu, torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="mode"):
+        crf.place_final_rewards(torch.ones(1), mask, cu, cs, mode="last")
+    with pytest.raises(TypeError, match="loss_mask"):
+        crf.place_final_rewards(torch.ones(1), mask.float(), cu, cs)
+
+
+def test_segment_gae_names_the_bad_argument():
+    mask, cu = torch.ones(4, dtype=torch.bool), torch.tensor([0, 4])
+    with pytest.raises(TypeError, match="rewards must be a torch.Tensor"):
+        crf.segment_gae(None, torch.zeros(4), mask, cu)
+    with pytest.raises(ValueError, match="loss_mask has 3"):
+        crf.segment_gae(torch.zeros(4), torch.zeros(4), mask[:3], torch.tensor([0, 3]))
+
+
+def test_dispatch_table_and_override(monkeypatch):
+    cpu = torch.device("cpu")
+    assert _dispatch.resolve("auto", cpu, op="segment_gae") == _dispatch.available(cpu)[0]
+    monkeypatch.setenv("COMPACTIONRL_FAST_BACKEND", "torch")
+    assert _dispatch.resolve("auto", cpu, op="segment_gae") == "torch"
+    assert _dispatch.resolve("auto", cpu, op="linear_logprobs") == "torch"
+    monkeypatch.setenv("COMPACTIONRL_FAST_BACKEND", "cuda")  # not for CPU tensors: falls back to the table
+    assert _dispatch.resolve("auto", cpu, op="segment_gae") == _dispatch.available(cpu)[0]
+    monkeypatch.setenv("COMPACTIONRL_FAST_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="COMPACTIONRL_FAST_BACKEND"):
+        _dispatch.resolve("auto", cpu, op="segment_gae")
+    with pytest.raises(ValueError, match="no cuda backend"):
+        _dispatch.resolve("cuda", torch.device("cuda"), op="linear_logprobs")
+
+
+def test_checks_setting(monkeypatch):
+    from compactionrl_fast.ops._validate import value_checks
+
+    t = torch.zeros(1)
+    assert value_checks(t)
+    monkeypatch.setenv("COMPACTIONRL_FAST_CHECKS", "0")
+    assert not value_checks(t)
+    with pytest.raises(TypeError, match="cu_seqlens"):  # dtype checks stay on
+        crf.segment_gae(torch.zeros(4), torch.zeros(4), torch.ones(4, dtype=torch.bool), torch.tensor([0.0, 4.0]))
+    monkeypatch.setenv("COMPACTIONRL_FAST_CHECKS", "maybe")
+    with pytest.raises(ValueError, match="COMPACTIONRL_FAST_CHECKS"):
+        value_checks(t)
+
+
+BAD_OFFSETS = {"decreasing": [0, 7, 4, 10], "past_T": [0, 4, 7, 1 << 30], "huge": [0, 4, 1 << 40, 10],
+               "negative": [0, -3, 7, 10], "last_short": [0, 4, 7, 9]}
+
+
+@pytest.mark.parametrize("backend", [b for b in ("cpp", "triton", "torch") if b in _dispatch.available(torch.device("cpu"))])
+def test_bad_offsets_with_checks_off_never_crash(backend):
+    """COMPACTIONRL_FAST_CHECKS=0: every bad layout gives a clear error or some numbers, in a subprocess
+    (a segfault must fail this test, not kill pytest)."""
+    script = textwrap.dedent(f"""
+        import torch, compactionrl_fast as crf
+        T = 10
+        mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0, 1, 1], dtype=torch.bool)
+        x = torch.linspace(-1, 1, T)
+        for name, cu in {BAD_OFFSETS!r}.items():
+            for idx in (torch.int32, torch.int64):
+                if idx == torch.int32 and max(abs(c) for c in cu) >= 2**31:
+                    continue
+                cu_t = torch.tensor(cu, dtype=idx)
+                cs = torch.tensor([0, 2, 3], dtype=idx)
+                for op in ("gae", "rewards", "ppo", "value"):
+                    try:
+                        if op == "gae":
+                            crf.segment_gae(x, x, mask, cu_t, cs, backend={backend!r})
+                        elif op == "rewards":
+                            crf.place_final_rewards(torch.ones(2), mask, cu_t, cs)
+                        elif op == "ppo":
+                            crf.ppo_policy_loss(x, x, x, mask, cu_seqlens=cu_t, cu_segments=cs, reduction="segment-mean",
+                                                backend={backend!r})
+                        else:
+                            crf.value_loss(x, x, x, mask, cu_seqlens=cu_t, cu_segments=cs, reduction="rollout-mean",
+                                           backend={backend!r})
+                    except (ValueError, TypeError, IndexError, RuntimeError) as e:
+                        pass
+        print("survived")
+    """)
+    env = dict(os.environ, COMPACTIONRL_FAST_CHECKS="0", PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "survived" in p.stdout, f"rc={p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+
+
+def test_raw_cpp_gae_op_rejects_bad_offsets():
+    if not hasattr(torch.ops.compactionrl_fast, "segment_gae") or _dispatch.cpp_ext() is None:
+        pytest.skip("needs the compiled extension")
+    x, mask = torch.zeros(10), torch.ones(10, dtype=torch.bool)
+    for cu in ([0, 4, 1 << 40, 10], [0, 7, 4, 10], [0, 4, 7, 1 << 30]):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            torch.ops.compactionrl_fast.segment_gae(x, x, mask, torch.tensor(cu), torch.tensor([0, 3]), None, 1.0, 1.0,
+                                                    0, 1.5, 1, 1.0)
+
+
+def test_import_is_lazy():
+    """`import compactionrl_fast` loads the ops only: no transformers, no runtime, no trainer."""
+    script = ("import sys, compactionrl_fast as c; bad = [m for m in ('transformers', 'compactionrl_fast.rollout', "
+              "'compactionrl_fast.train', 'compactionrl_fast.integrations', 'compactionrl_fast.envs') if m in sys.modules];"
+              " assert not bad, bad; c.PackedBatch; c.MemoryEnv; assert 'compactionrl_fast.envs' in sys.modules; print('ok')")
+    p = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-2000:]
+
+
+class _CountLaunches:
+    """Stands in for a Triton kernel object and counts its launches."""
+
+    def __init__(self, kernel, log):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(self.kernel.fn.__name__ if hasattr(self.kernel, "fn") else str(self.kernel))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.skipif("triton" not in _dispatch.available(torch.device("cpu")), reason="needs the Triton interpreter")
+@pytest.mark.parametrize("chunk,cross,lam,want", [(0, "none", 0.9, 1), (0, "paper", "adaptive", 2),
+                                                  (None, "paper", "adaptive", 4)])
+def test_gae_triton_launch_count(monkeypatch, chunk, cross, lam, want):
+    """Kernel launches per call: the per-rollout plan is 1-2 (the count pass only when lambda or the scale
+    needs counts); the chunked plan for few long rollouts is 4 (over the 3-launch target until the
+    single-pass scan replaces it)."""
+    import functools
+
+    from compactionrl_fast.kernels import gae as kgae
+    from tests.utils import packed_batch
+
+    log = []
+    for k in ("_count_kernel", "_gae_chunk_kernel", "_gae_carry_kernel"):
+        monkeypatch.setattr(kgae, k, _CountLaunches(getattr(kgae, k), log))
+    monkeypatch.setattr(kgae, "segment_gae_fwd", functools.partial(kgae.segment_gae_fwd, chunk=chunk, block=32))
+    b = packed_batch([[(40, "rand"), (30, "rand")], [(50, "rand")]], index_dtype=torch.int64)
+    adv, _ = crf.segment_gae(b["rewards"], b["values"], b["loss_mask"], b["cu_seqlens"], b["cu_segments"], lam=lam,
+                             cross_segment=cross, backend="triton")
+    want_adv, _ = ref_gae.segment_gae(b["rewards"], b["values"], b["loss_mask"], b["cu_seqlens"], b["cu_segments"],
+                                      lam=lam, cross_segment=cross)
+    torch.testing.assert_close(adv, want_adv.float(), atol=2e-6, rtol=2e-6)
+    assert len(log) == want, log

@@ -16,13 +16,15 @@ reversed token order so that a forward `tl.associative_scan` composes the maps f
   * fixed chunks (few long rollouts): phase 1 stores each chunk's composed map (no writes), phase 2
     composes them from the last chunk back (one program) into each chunk's carry-in, phase 3 reruns
     each chunk from its carry-in and writes adv and ret.
-Per-segment numbers (trainable counts from `_count_kernel`, lambda, the paper's (gamma*lam)^N_later,
-reset flags) are a few vectorised torch ops on [S]-sized tensors; no host synchronisation.
+Per-segment numbers (lambda, the paper's (gamma*lam)^N_later, reset flags) come from `_gae_params_kernel`,
+one program per rollout (counts included), into [4, S] float64 arrays that the scan reads; no mode enum
+reaches the scan and nothing is read on the host. Offsets are clamped first (`sanitize_offsets`).
 
 Accumulation is float64: with float32 the worst error against the float64 reference on 3000-token
 segments is 2.2e-6 relative to 1 + |ref| (tolerance 2e-6), float64 gives 6e-8 (float32 output rounding).
 The op is memory-bound; float64 arithmetic is cheap on A100/H100/H200, not on consumer GPUs.
 """
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -58,39 +60,67 @@ def _add(a, b):
 
 
 @triton.jit
-def _count_kernel(mask_ptr, cu_ptr, cb_ptr, seg_ptr, counts_ptr, n_chunks, BLOCK: tl.constexpr):
-    """Trainable tokens per segment: for the part [a0, a1) of segment s inside this chunk,
-    counts[s] += P(a1 - 1) - P(a0 - 1), P(t) = trainable tokens in [chunk start, t]."""
-    i_c = tl.program_id(0).to(tl.int64)
-    lo, hi = tl.load(cb_ptr + i_c), tl.load(cb_ptr + i_c + 1)
-    s_lo, s_hi = tl.load(seg_ptr + i_c), tl.load(seg_ptr + n_chunks + i_c)
-    n_bisect = tl.load(seg_ptr + 2 * n_chunks + i_c)
+def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, lam_ptr, out_ptr, S, gamma_hi, gamma_lo, lam_hi, lam_lo, alpha_hi,
+                       alpha_lo, lamc_hi, lamc_lo, LAM_MODE: tl.constexpr, CROSS: tl.constexpr,
+                       NEED_COUNTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Per-segment numbers of rollout `program_id` (the Triton port of csrc/common/gae_step.h rollout_params):
+    out [4, S] float64 rows gl = gamma*lam_s, glc (returns), scale ((gl)^N_later or 1), reset (1: nothing
+    flows in from after the segment). The trainable counts are parked in the scale row until it is written.
+    Float arguments come as float32 pairs hi + lo (Triton passes Python floats as float32; see `_split`)."""
+    gamma = tl.zeros([1], tl.float64) + gamma_hi + gamma_lo
+    lam = tl.zeros([1], tl.float64) + lam_hi + lam_lo
+    alpha = tl.zeros([1], tl.float64) + alpha_hi + alpha_lo
+    lam_critic = tl.zeros([1], tl.float64) + lamc_hi + lamc_lo
+    r = tl.program_id(0).to(tl.int64)
+    o_1 = tl.arange(0, 1)
+    s0, s1 = tl.load(cs_ptr + r).to(tl.int64), tl.load(cs_ptr + r + 1).to(tl.int64)
+    end = tl.load(cu_ptr + s1).to(tl.int64)  # the rollout's last token + 1
     o_b = tl.arange(0, BLOCK)
-    i_last = tl.full([1], BLOCK - 1, tl.int32)
-    n_c = tl.zeros([1], tl.int64)  # trainable tokens of the chunk before this block
-    for i_b in range((hi - lo + BLOCK - 1) // BLOCK):
-        o_t = lo + i_b * BLOCK + o_b
-        m_t = o_t < hi
-        # segment of each token: the largest s in [s_lo, s_hi] with cu[s] <= t, by bisection (inlined:
-        # the interpreter pays milliseconds per call of a jit function)
-        b_s, b_s_hi = tl.zeros([BLOCK], tl.int64) + s_lo, tl.zeros([BLOCK], tl.int64) + s_hi
-        for _ in range(n_bisect):
-            b_mid = (b_s + b_s_hi + 1) // 2
-            b_le = tl.load(cu_ptr + b_mid).to(tl.int64) <= o_t
-            b_s, b_s_hi = tl.where(b_le, b_mid, b_s), tl.where(b_le, b_s_hi, b_mid - 1)
-        # [BLOCK]
-        b_m = tl.load(mask_ptr + o_t, mask=m_t, other=0).to(tl.int64)
-        b_p = tl.associative_scan(b_m, 0, _add) + n_c
-        m_first = m_t & ((o_t == lo) | (o_t == tl.load(cu_ptr + b_s, mask=m_t, other=0).to(tl.int64)))
-        m_last = m_t & ((o_t == hi - 1) | (o_t == tl.load(cu_ptr + b_s + 1, mask=m_t, other=0).to(tl.int64) - 1))
-        tl.atomic_add(counts_ptr + b_s, b_p, mask=m_last)
-        tl.atomic_add(counts_ptr + b_s, b_m - b_p, mask=m_first)
-        n_c = tl.gather(b_p, i_last, 0)
+    n_roll = tl.zeros([1], tl.int64)
+    if NEED_COUNTS:
+        for i in range(s1 - s0):
+            lo, hi = tl.load(cu_ptr + s0 + i).to(tl.int64), tl.load(cu_ptr + s0 + i + 1).to(tl.int64)
+            acc = tl.zeros([BLOCK], tl.int64)
+            for j in range(tl.cdiv(hi - lo, BLOCK)):
+                o_t = lo + j * BLOCK + o_b
+                acc += tl.load(mask_ptr + o_t, mask=o_t < hi, other=0).to(tl.int64)
+            n = tl.sum(acc, 0)
+            tl.store(out_ptr + 2 * S + s0 + i + o_1, n.to(tl.float64) + tl.zeros([1], tl.float64))
+            n_roll += n
+    n_later = tl.zeros([1], tl.float64)
+    for i in range(s1 - s0):
+        s = s1 - 1 - i
+        if NEED_COUNTS:
+            n_s = tl.load(out_ptr + 2 * S + s + o_1)
+        else:
+            n_s = tl.zeros([1], tl.float64)
+        if LAM_MODE == 0:  # LAM_CONST
+            l_s = tl.zeros([1], tl.float64) + lam
+        elif LAM_MODE == 3:  # LAM_TENSOR
+            l_s = tl.load(lam_ptr + s + o_1).to(tl.float64)
+        else:  # adaptive: 1 - 1/(alpha * max(n, 1)), clamped to [0, 1]
+            n_a = n_roll.to(tl.float64) if LAM_MODE == 2 else n_s
+            l_s = tl.minimum(tl.maximum(1.0 - 1.0 / (alpha * tl.maximum(n_a, 1.0)), 0.0), 1.0)
+        gl = gamma * l_s
+        glc = tl.where(lam_critic >= 0.0, gamma * lam_critic, gl)
+        if CROSS == 1:  # paper: (gl)^N_later, 0^0 = 1
+            scale = tl.where(n_later == 0.0, 1.0, tl.where(gl <= 0.0, 0.0, tl.exp(n_later * tl.log(tl.maximum(gl, 1e-300)))))
+        else:
+            scale = tl.zeros([1], tl.float64) + 1.0
+        if CROSS == 2:  # stitched: the recurrence runs on unless no token of the rollout follows
+            reset = tl.where(tl.load(cu_ptr + s + 1 + o_1).to(tl.int64) == end, 1.0, 0.0).to(tl.float64)
+        else:
+            reset = tl.zeros([1], tl.float64) + 1.0
+        tl.store(out_ptr + s + o_1, gl)
+        tl.store(out_ptr + S + s + o_1, glc)
+        tl.store(out_ptr + 2 * S + s + o_1, scale)
+        tl.store(out_ptr + 3 * S + s + o_1, reset)
+        n_later += n_s
 
 
 @triton.jit
 def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, cb_ptr, seg_ptr, gl_ptr, glc_ptr, scale_ptr, reset_ptr,
-                      gamma_ptr, carry_ptr, summary_ptr, adv_ptr, ret_ptr, n_chunks,
+                      gamma_hi, gamma_lo, carry_ptr, summary_ptr, adv_ptr, ret_ptr, n_chunks,
                       BLOCK: tl.constexpr, WRITE: tl.constexpr, OWN_CRITIC: tl.constexpr):
     """One chunk [cb[c], cb[c+1]) backwards, BLOCK tokens at a time; blocks may span segments.
 
@@ -107,7 +137,7 @@ def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, cb_ptr, seg_ptr, gl_pt
     # segments s_lo..s_hi overlap the chunk; n_bisect = ceil(log2(s_hi - s_lo + 1))
     s_lo, s_hi = tl.load(seg_ptr + i_c), tl.load(seg_ptr + n_chunks + i_c)
     n_bisect = tl.load(seg_ptr + 2 * n_chunks + i_c)
-    gamma = tl.load(gamma_ptr)
+    gamma = tl.zeros([1], ACC) + gamma_hi + gamma_lo
     o_b = tl.arange(0, BLOCK)
     o_1 = tl.arange(0, 1)
     # the scans' last lane holds the map of the whole block (lanes before the chunk are identities)
@@ -136,7 +166,7 @@ def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, cb_ptr, seg_ptr, gl_pt
         b_rv = tl.load(rew_ptr + o_t, mask=b_m, other=0.0).to(ACC) - b_v32.to(ACC)
         # the recurrence stops after the segment's last token (segment end, or rollout end if stitched)
         b_end = tl.load(cu_ptr + b_s + 1, mask=m_t, other=0).to(tl.int64) - 1 == o_t
-        b_keep = ~(b_end & (tl.load(reset_ptr + b_s, mask=m_t, other=0) != 0))
+        b_keep = ~(b_end & (tl.load(reset_ptr + b_s, mask=m_t, other=0.0) != 0.0))
         b_xa = tl.where(b_keep, tl.where(b_m, tl.load(gl_ptr + b_s, mask=m_t, other=1.0), 1.0), 0.0)
         b_ya = tl.where(b_keep & b_m, gamma, 0.0)
         b_pa = tl.where(b_m, b_rv, 0.0)
@@ -214,6 +244,13 @@ def _gae_carry_kernel(summary_ptr, carry_ptr, n_chunks, BLOCK: tl.constexpr):
         a_b, v_b, ac_b = tl.gather(b_a, i_last, 0), tl.gather(b_v, i_last, 0), tl.gather(b_ac, i_last, 0)
 
 
+BLOCK = 256             # tokens per block on GPU: 126 registers at 4 warps (512: 200, 1024: spills)
+INTERPRET_BLOCK = 32768  # at most; the interpreter pays per operation, not per element: few, large blocks
+CARRY_BLOCK = 256       # chunk maps per block in phase 2
+PARAMS_BLOCK = 1024     # mask bytes per step of the per-rollout count
+NUM_WARPS = 4
+
+
 def _sig(idx):
     return {"mask_ptr": "*u8", "cu_ptr": f"*{idx}", "cb_ptr": "*i64", "seg_ptr": "*i64"}
 
@@ -221,20 +258,19 @@ def _sig(idx):
 # (kernel name, signature, constexprs) compiled ahead of time for sm_80/sm_90 by tests/test_aot.py: every
 # flag combination with int64 offsets, the default path (WRITE, OWN_CRITIC) with int32 offsets too
 _CHUNK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", gl_ptr="*fp64", glc_ptr="*fp64", scale_ptr="*fp64",
-                  reset_ptr="*u8", gamma_ptr="*fp64", carry_ptr="*fp64", summary_ptr="*fp64", adv_ptr="*fp32",
+                  reset_ptr="*fp64", gamma_hi="fp32", gamma_lo="fp32", carry_ptr="*fp64", summary_ptr="*fp64", adv_ptr="*fp32",
                   ret_ptr="*fp32", n_chunks="i64")
-AOT_SPECS = [("_count_kernel", dict(_sig(idx), counts_ptr="*i64", n_chunks="i64"), {"BLOCK": 256})
-             for idx in ("i32", "i64")]
+_PARAMS_SIG = dict(mask_ptr="*u8", cu_ptr="*i64", cs_ptr="*i64", lam_ptr="*fp32", out_ptr="*fp64", S="i64",
+                   **{f"{k}_{p}": "fp32" for k in ("gamma", "lam", "alpha", "lamc") for p in ("hi", "lo")})
+AOT_SPECS = [("_gae_params_kernel", _PARAMS_SIG, {"LAM_MODE": mode, "CROSS": cross, "NEED_COUNTS": counts,
+                                                  "BLOCK": PARAMS_BLOCK})
+             for mode, cross, counts in [(0, 0, False), (2, 1, True), (1, 2, True), (3, 1, True)]]
 AOT_SPECS += [("_gae_chunk_kernel", dict(_sig(idx), **_CHUNK_SIG), {"BLOCK": 256, "WRITE": write, "OWN_CRITIC": own})
               for idx, write, own in [("i64", False, False), ("i64", False, True), ("i64", True, False),
-                                      ("i64", True, True), ("i32", True, True)]]
+                                      ("i64", True, True)]]
 AOT_SPECS += [("_gae_carry_kernel", {"summary_ptr": "*fp64", "carry_ptr": "*fp64", "n_chunks": "i64"},
                {"BLOCK": 256})]
 
-BLOCK = 256             # tokens per block on GPU: 126 registers at 4 warps (512: 200, 1024: spills)
-INTERPRET_BLOCK = 32768  # at most; the interpreter pays per operation, not per element: few, large blocks
-CARRY_BLOCK = 256       # chunk maps per block in phase 2
-NUM_WARPS = 4
 
 
 def _plan(T, R, device, chunk, block):
@@ -253,31 +289,24 @@ def _plan(T, R, device, chunk, block):
     return cb, cb.numel() == 2
 
 
-def _segment_stats(counts, cu, cs, S, R, gamma, lam_seg, lam, lam_mode, alpha, cross, lam_critic):
-    """Per-segment float64 gl = gamma*lam_s, glc (returns), scale ((gl)^N_later or 1), uint8 reset flags."""
-    dev = cu.device
-    roll = torch.repeat_interleave(torch.arange(R, device=dev), cs.diff(), output_size=S)
-    if counts is not None:
-        csum = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    if lam_mode == LAM_TENSOR:
-        lam_s = lam_seg.double()
-    elif lam_mode == LAM_CONST:
-        lam_s = torch.full((S,), lam, dtype=torch.float64, device=dev)
-    else:
-        n = counts if lam_mode == LAM_ADAPTIVE_SEGMENT else (csum[cs[1:]] - csum[cs[:-1]])[roll]
-        lam_s = (1.0 - 1.0 / (alpha * n.clamp(min=1).double())).clamp(0.0, 1.0)
-    gl = gamma * lam_s
-    glc = torch.full_like(gl, gamma * lam_critic) if lam_critic >= 0.0 else gl
-    if cross == CROSS_PAPER:
-        later = (csum[cs[1:]][roll] - csum[1:]).double()
-        scale = torch.where(later == 0, 1.0, torch.where(gl <= 0, 0.0, torch.exp(later * gl.clamp(min=1e-300).log())))
-    else:
-        scale = torch.ones_like(gl)
-    if cross == CROSS_STITCHED:  # the recurrence stops only where the rollout ends
-        reset = cu[1:] == cu[cs[1:]][roll]
-    else:
-        reset = torch.ones(S, dtype=torch.bool, device=dev)
-    return gl, glc, scale, reset.to(torch.uint8)
+def _split(x: float):
+    """x as float32 hi + lo (hi + lo == x to ~1e-14 relative): float64 scalars for Triton without a copy."""
+    hi = float(np.float32(x))
+    return hi, float(np.float32(x - hi))
+
+
+def gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic):
+    """Per-segment numbers: float64 [4, S] rows gamma*lam_s, gamma*lam_critic_s, scale_s, reset_s.
+    mask: [T] uint8/bool; cu: [S+1], cs: [R+1] int64 (sanitized); lam_seg: [S] float32 or None."""
+    S, R = cu.numel() - 1, cs.numel() - 1
+    params = torch.empty(4, S, dtype=torch.float64, device=mask.device)
+    if R:
+        need_counts = cross == CROSS_PAPER or lam_mode in (LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT)
+        _gae_params_kernel[(R,)](mask.view(torch.uint8), cu, cs, params if lam_seg is None else lam_seg, params, S,
+                                 *_split(gamma), *_split(lam), *_split(alpha), *_split(lam_critic), LAM_MODE=lam_mode,
+                                 CROSS=cross, NEED_COUNTS=need_counts,
+                                 BLOCK=PARAMS_BLOCK if mask.device.type == "cuda" else INTERPRET_BLOCK)
+    return params
 
 
 def segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha,
@@ -322,16 +351,11 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
     n_bisect = torch.where(w > 0, torch.floor(torch.log2(w.double().clamp(min=1))) + 1, 0).long()  # bits of w
     seg = torch.stack([seg_lo, seg_hi, n_bisect])
     mask = loss_mask.view(torch.uint8)
-    counts = None
-    if cross == CROSS_PAPER or lam_mode in (LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT):
-        counts = torch.zeros(S, dtype=torch.int64, device=dev)
-        _count_kernel[(n_chunks,)](mask, cu, cb, seg, counts, n_chunks, BLOCK=block, num_warps=NUM_WARPS)
-    gl, glc, scale, reset = _segment_stats(counts, cu, cs, S, R, gamma, lam_seg, lam, lam_mode, alpha, cross,
-                                           lam_critic)
-    gamma_t = torch.full((1,), gamma, dtype=torch.float64, device=dev)
+    params = gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic)
+    gl, glc, scale, reset = params.unbind(0)
     own = lam_critic >= 0.0
     carry = torch.zeros(3, n_chunks, dtype=torch.float64, device=dev)
-    args = (rewards, values, mask, cu, cb, seg, gl, glc, scale, reset, gamma_t)
+    args = (rewards, values, mask, cu, cb, seg, gl, glc, scale, reset, *_split(gamma))
     if not single:
         summary = torch.empty(N_MAP, n_chunks, dtype=torch.float64, device=dev)
         _gae_chunk_kernel[(n_chunks,)](*args, carry, summary, adv, ret, n_chunks, BLOCK=block, WRITE=False,

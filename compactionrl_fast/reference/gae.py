@@ -98,6 +98,30 @@ def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gam
     return adv, ret
 
 
+def segment_params(loss_mask, cu_seqlens, cu_segments=None, *, gamma=1.0, lam="adaptive", cross_segment="paper",
+                   lam_critic=1.0, adaptive_alpha=1.5, adaptive_length="rollout"):
+    """The per-segment numbers the scan kernels read, stated directly: float64 [4, S] rows gamma*lam_s,
+    gamma*lam_critic_s (the advantages' when lam_critic is None), the advantage scale ((gamma*lam_s)^N_later
+    for "paper", else 1) and reset_s (0 only for "stitched" when a later segment of the rollout has tokens)."""
+    S = cu_seqlens.numel() - 1
+    if cu_segments is None:
+        cu_segments = torch.arange(S + 1)
+    m = loss_mask.cpu()
+    lams = segment_lambdas(lam, m, cu_seqlens, cu_segments, adaptive_alpha, adaptive_length)
+    segs = _bounds(cu_seqlens.cpu())
+    out = torch.zeros(4, S, dtype=torch.float64)
+    for s0, s1 in _bounds(cu_segments.cpu()):
+        for s in range(s0, s1):
+            later = sum(int(m[a:b].sum()) for a, b in segs[s + 1:s1])
+            gl = gamma * lams[s]
+            out[0, s] = gl
+            out[1, s] = gl if lam_critic is None else gamma * float(lam_critic)
+            out[2, s] = power(gl, later) if cross_segment == "paper" else 1.0
+            tokens_after = any(b > a for a, b in segs[s + 1:s1])
+            out[3, s] = 0.0 if cross_segment == "stitched" and tokens_after else 1.0
+    return out
+
+
 def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None, mode="paper"):
     """Oracle for `compactionrl_fast.place_final_rewards`: float64 rewards [T] on CPU."""
     S = cu_seqlens.numel() - 1

@@ -30,6 +30,41 @@ CRF_HD double power_count(double base, int64_t n) {
   return exp((double)n * log(base));
 }
 
+// Per-segment numbers every scan reads; `rollout_params` is the one place (for C++ and CUDA) that turns the
+// lambda and cross-segment modes into them (the Triton port: kernels/gae.py `_gae_params_kernel`).
+struct SegParams {
+  double gl, glc, scale, reset;  // gamma*lam, gamma*lam_critic, adv scale, 1 if nothing flows in from after s
+};
+
+// SegParams of the segments [s0, s1) of one rollout. counts[s]: trainable tokens of segment s (may be null
+// when neither adaptive lambda nor the paper's scale needs it); cu: token offsets [S+1]; lam_seg: [S] or null.
+template <typename idx_t>
+CRF_HD void rollout_params(int64_t s0, int64_t s1, const idx_t* cu, const int64_t* counts, const float* lam_seg,
+                           double gamma, double lam, int64_t lam_mode, double alpha, int64_t cross,
+                           double lam_critic, SegParams* out) {
+  int64_t n_rollout = 0;
+  if (lam_mode == kLamAdaptiveRollout)
+    for (int64_t s = s0; s < s1; ++s) n_rollout += counts[s];
+  int64_t n_later = 0;  // trainable tokens in later segments of this rollout
+  for (int64_t s = s1 - 1; s >= s0; --s) {
+    double l;
+    switch (lam_mode) {
+      case kLamConst: l = lam; break;
+      case kLamTensor: l = lam_seg[s]; break;
+      case kLamAdaptiveRollout: l = adaptive_lambda(n_rollout, alpha); break;
+      default: l = adaptive_lambda(counts[s], alpha);
+    }
+    SegParams o;
+    o.gl = gamma * l;
+    o.glc = lam_critic >= 0.0 ? gamma * lam_critic : o.gl;
+    o.scale = cross == kCrossPaper ? power_count(o.gl, n_later) : 1.0;
+    // stitched: the recurrence runs on into the next segment unless no token of the rollout follows
+    o.reset = (cross != kCrossStitched || cu[s + 1] == cu[s1]) ? 1.0 : 0.0;
+    out[s] = o;
+    if (counts) n_later += counts[s];
+  }
+}
+
 // Recurrence state carried backwards over trainable tokens: the next trainable token's value and
 // advantage (0 past the end).
 struct GaeCarry {

@@ -4,55 +4,50 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <vector>
+
 #include "../common/alloc.h"
 #include "../common/gae_step.h"
 
 namespace {
 
 using crf::GaeCarry;
+using crf::SegParams;
 
+// One rollout, segments [s0, s1): its per-segment numbers (crf::rollout_params, the counts first when a
+// mode needs them), then one reverse pass that reads only those numbers.
 template <typename idx_t>
 void gae_rollout(int64_t r, const idx_t* cu_seq, const idx_t* cu_seg, const float* rew, const float* val,
                  const bool* mask, const float* lam_seg, double gamma, double lam, int64_t lam_mode,
-                 double alpha, int64_t cross, double lam_critic, float* adv, float* ret) {
+                 double alpha, int64_t cross, double lam_critic, int64_t* counts, SegParams* params, float* adv,
+                 float* ret) {
   const int64_t s0 = cu_seg[r], s1 = cu_seg[r + 1];
-  const int64_t bos = cu_seq[s0], eos = cu_seq[s1];
-  int64_t n_rollout = 0;
-  if (lam_mode == crf::kLamAdaptiveRollout)
-    for (int64_t t = bos; t < eos; ++t) n_rollout += mask[t];
-  const bool own_critic = lam_critic >= 0.0;
-  GaeCarry c, cc;           // advantage and critic (returns) recurrences
-  int64_t n_later = 0;      // trainable tokens in later segments of this rollout
-  for (int64_t s = s1 - 1; s >= s0; --s) {
-    const int64_t a0 = cu_seq[s], a1 = cu_seq[s + 1];
-    int64_t n_seg = -1;
-    double l;
-    switch (lam_mode) {
-      case crf::kLamConst: l = lam; break;
-      case crf::kLamTensor: l = lam_seg[s]; break;
-      case crf::kLamAdaptiveRollout: l = crf::adaptive_lambda(n_rollout, alpha); break;
-      default:
-        n_seg = 0;
-        for (int64_t t = a0; t < a1; ++t) n_seg += mask[t];
-        l = crf::adaptive_lambda(n_seg, alpha);
+  const bool need_counts = cross == crf::kCrossPaper || lam_mode == crf::kLamAdaptiveSegment ||
+                           lam_mode == crf::kLamAdaptiveRollout;
+  if (need_counts)
+    for (int64_t s = s0; s < s1; ++s) {
+      int64_t n = 0;
+      for (int64_t t = cu_seq[s]; t < cu_seq[s + 1]; ++t) n += mask[t];
+      counts[s] = n;
     }
-    if (cross != crf::kCrossStitched) c = GaeCarry(), cc = GaeCarry();
-    const double gl = gamma * l, glc = gamma * (own_critic ? lam_critic : l);
-    const double scale = cross == crf::kCrossPaper ? crf::power_count(gl, n_later) : 1.0;
-    int64_t n = 0;
-    for (int64_t t = a1 - 1; t >= a0; --t) {
+  crf::rollout_params<idx_t>(s0, s1, cu_seq, need_counts ? counts : nullptr, lam_seg, gamma, lam, lam_mode, alpha,
+                             cross, lam_critic, params);
+  const bool own_critic = lam_critic >= 0.0;
+  GaeCarry c, cc;  // advantage and critic (returns) recurrences
+  for (int64_t s = s1 - 1; s >= s0; --s) {
+    const SegParams sp = params[s];
+    if (sp.reset != 0.0) c = GaeCarry(), cc = GaeCarry();
+    for (int64_t t = cu_seq[s + 1] - 1; t >= cu_seq[s]; --t) {
       if (!mask[t]) {
         adv[t] = 0.f;
         ret[t] = 0.f;
         continue;
       }
-      ++n;
       const double rt = rew[t], vt = val[t];
-      const double a = crf::gae_step(c, rt, vt, gamma, gl);
-      adv[t] = (float)(scale * a);
-      ret[t] = (float)((own_critic ? crf::gae_step(cc, rt, vt, gamma, glc) : a) + vt);
+      const double a = crf::gae_step(c, rt, vt, gamma, sp.gl);
+      adv[t] = (float)(sp.scale * a);
+      ret[t] = (float)((own_critic ? crf::gae_step(cc, rt, vt, gamma, sp.glc) : a) + vt);
     }
-    n_later += n;
   }
 }
 
@@ -102,7 +97,9 @@ std::tuple<at::Tensor, at::Tensor> segment_gae_cpu(const at::Tensor& rewards, co
   if (lam_mode == crf::kLamTensor)
     TORCH_CHECK_VALUE(ls.numel() == cs.numel() - 1, "segment_gae: lam_seg must be [S]");
   auto adv = crf::empty_output(rew.sizes(), rew.options()), ret = crf::empty_output(rew.sizes(), rew.options());
-  const int64_t R = cg.numel() - 1;
+  const int64_t R = cg.numel() - 1, S = cs.numel() - 1;
+  std::vector<int64_t> counts(S);
+  std::vector<SegParams> params(S);
   // ~32K tokens per task (ATen's grain): a small batch stays on the calling thread, since waking a pool
   // thread costs more than scanning it (and, on a loaded machine, a whole scheduler time slice).
   const int64_t grain = std::max<int64_t>(1, R * 32768 / std::max<int64_t>(rew.numel(), 1));
@@ -115,7 +112,7 @@ std::tuple<at::Tensor, at::Tensor> segment_gae_cpu(const at::Tensor& rewards, co
     at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         gae_rollout<index_t>(r, cu_seq, cu_seg, pr, pv, pm, lam_ptr, gamma, lam, lam_mode, alpha, cross,
-                             lam_critic, pa, pt);
+                             lam_critic, counts.data(), params.data(), pa, pt);
     });
   });
   return {adv, ret};

@@ -50,14 +50,14 @@ std::tuple<at::Tensor, at::Tensor> segment_gae_cuda(const at::Tensor& rewards, c
                            lam_mode == crf::kLamAdaptiveRollout;
   auto f64 = rew.options().dtype(at::kDouble);
   at::Tensor counts = need_counts ? at::empty({S}, rew.options().dtype(at::kLong)) : at::Tensor();
-  at::Tensor seg = at::empty({S, (int64_t)(sizeof(K::SegParams) / sizeof(double))}, f64);
+  at::Tensor seg = at::empty({S, (int64_t)(sizeof(crf::SegParams) / sizeof(double))}, f64);
   const int64_t nt = K::n_tiles(T);
   at::Tensor maps = at::empty({nt, (int64_t)(sizeof(crf::GaeMap) / sizeof(double))}, f64);
   at::Tensor carry = at::empty({nt, (int64_t)(sizeof(crf::GaeState) / sizeof(double))}, f64);
   K::Params p{rew.data_ptr<float>(), val.data_ptr<float>(), mask.data_ptr<bool>(), cs.data_ptr(), cg.data_ptr(),
               lam_t.defined() ? lam_t.data_ptr<float>() : nullptr, T, S, R, gamma, lam, alpha, lam_critic,
               lam_mode, cross, need_counts ? counts.data_ptr<int64_t>() : nullptr,
-              reinterpret_cast<K::SegParams*>(seg.data_ptr<double>()),
+              reinterpret_cast<crf::SegParams*>(seg.data_ptr<double>()),
               reinterpret_cast<crf::GaeMap*>(maps.data_ptr<double>()),
               reinterpret_cast<crf::GaeState*>(carry.data_ptr<double>()), adv.data_ptr<float>(),
               ret.data_ptr<float>()};

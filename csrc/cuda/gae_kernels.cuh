@@ -30,11 +30,6 @@ constexpr int kThreads = CRF_GAE_THREADS;
 constexpr int kItems = CRF_GAE_ITEMS;     // consecutive tokens per thread
 constexpr int kTile = kThreads * kItems;  // tokens per block
 
-// Per-segment numbers, written by segment_kernel.
-struct SegParams {
-  double gl, glc, scale, reset;  // gamma*lam, gamma*lam_critic, adv scale, 1 if nothing flows in from after s
-};
-
 struct Params {
   const float *rew, *val;  // [T]
   const bool* mask;        // [T]
@@ -76,29 +71,9 @@ template <typename idx_t>
 __global__ void __launch_bounds__(kThreads) segment_kernel(Params p) {
   const int64_t r = (int64_t)blockIdx.x * kThreads + threadIdx.x;
   if (r >= p.R) return;
-  const idx_t* cu = static_cast<const idx_t*>(p.cu_seq);
   const idx_t* cs = static_cast<const idx_t*>(p.cu_seg);
-  const int64_t s0 = cs[r], s1 = cs[r + 1];
-  int64_t n_rollout = 0;
-  if (p.lam_mode == kLamAdaptiveRollout)
-    for (int64_t s = s0; s < s1; ++s) n_rollout += p.counts[s];
-  int64_t n_later = 0;  // trainable tokens in later segments of this rollout
-  for (int64_t s = s1 - 1; s >= s0; --s) {
-    double l;
-    switch (p.lam_mode) {
-      case kLamConst: l = p.lam; break;
-      case kLamTensor: l = p.lam_seg[s]; break;
-      case kLamAdaptiveRollout: l = adaptive_lambda(n_rollout, p.alpha); break;
-      default: l = adaptive_lambda(p.counts[s], p.alpha);
-    }
-    SegParams o;
-    o.gl = p.gamma * l;
-    o.glc = p.lam_critic >= 0.0 ? p.gamma * p.lam_critic : o.gl;
-    o.scale = p.cross == kCrossPaper ? power_count(o.gl, n_later) : 1.0;
-    o.reset = (p.cross != kCrossStitched || cu[s + 1] == cu[s1]) ? 1.0 : 0.0;
-    p.seg[s] = o;
-    if (p.counts) n_later += p.counts[s];
-  }
+  rollout_params<idx_t>(cs[r], cs[r + 1], static_cast<const idx_t*>(p.cu_seq), p.counts, p.lam_seg, p.gamma, p.lam,
+                        p.lam_mode, p.alpha, p.cross, p.lam_critic, p.seg);
 }
 
 // One tile: stage tokens in shared memory (coalesced), each thread composes the maps of its kItems tokens,

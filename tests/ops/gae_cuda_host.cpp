@@ -12,7 +12,7 @@ extern "C" void crf_gae_host(const float* rew, const float* val, const bool* mas
   const bool need_counts = cross == crf::kCrossPaper || lam_mode == crf::kLamAdaptiveSegment ||
                            lam_mode == crf::kLamAdaptiveRollout;
   std::vector<int64_t> counts(need_counts ? S : 0, -1);
-  std::vector<K::SegParams> seg(S);
+  std::vector<crf::SegParams> seg(S);
   std::vector<crf::GaeMap> maps(K::n_tiles(T));
   std::vector<crf::GaeState> carry(K::n_tiles(T));
   K::Params p{rew, val, mask, cu_seq, cu_seg, lam_seg, T, S, R, gamma, lam, alpha, lam_critic, lam_mode, cross,

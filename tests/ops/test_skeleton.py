@@ -268,19 +268,18 @@ class _CountLaunches:
 
 
 @pytest.mark.skipif("triton" not in _dispatch.available(torch.device("cpu")), reason="needs the Triton interpreter")
-@pytest.mark.parametrize("chunk,cross,lam,want", [(0, "none", 0.9, 1), (0, "paper", "adaptive", 2),
+@pytest.mark.parametrize("chunk,cross,lam,want", [(0, "none", 0.9, 2), (0, "paper", "adaptive", 2),
                                                   (None, "paper", "adaptive", 4)])
 def test_gae_triton_launch_count(monkeypatch, chunk, cross, lam, want):
-    """Kernel launches per call: the per-rollout plan is 1-2 (the count pass only when lambda or the scale
-    needs counts); the chunked plan for few long rollouts is 4 (over the 3-launch target until the
-    single-pass scan replaces it)."""
+    """Kernel launches per call: the per-rollout plan is 2 (the per-segment numbers, the scan); the chunked
+    plan for few long rollouts is 4 (over the 3-launch target until the single-pass scan replaces it)."""
     import functools
 
     from compactionrl_fast.kernels import gae as kgae
     from tests.utils import packed_batch
 
     log = []
-    for k in ("_count_kernel", "_gae_chunk_kernel", "_gae_carry_kernel"):
+    for k in ("_gae_params_kernel", "_gae_chunk_kernel", "_gae_carry_kernel"):
         monkeypatch.setattr(kgae, k, _CountLaunches(getattr(kgae, k), log))
     monkeypatch.setattr(kgae, "segment_gae_fwd", functools.partial(kgae.segment_gae_fwd, chunk=chunk, block=32))
     b = packed_batch([[(40, "rand"), (30, "rand")], [(50, "rand")]], index_dtype=torch.int64)
@@ -290,3 +289,35 @@ def test_gae_triton_launch_count(monkeypatch, chunk, cross, lam, want):
                                       lam=lam, cross_segment=cross)
     torch.testing.assert_close(adv, want_adv.float(), atol=2e-6, rtol=2e-6)
     assert len(log) == want, log
+
+
+@pytest.mark.skipif("triton" not in _dispatch.available(torch.device("cpu")), reason="needs the Triton interpreter")
+@pytest.mark.parametrize("cross", ["paper", "none", "stitched"])
+@pytest.mark.parametrize("lam,length", [(0.95, "rollout"), ("adaptive", "rollout"), ("adaptive", "segment"),
+                                        ("tensor", "rollout")])
+@pytest.mark.parametrize("lam_critic", [1.0, None, 0.9])
+def test_gae_params_kernel_matches_reference(cross, lam, length, lam_critic):
+    """The one place that turns modes into per-segment numbers (Triton port) against the reference's own
+    statement of them, on layouts with empty, untrainable and single-token segments."""
+    from compactionrl_fast.kernels import gae as kgae
+    from compactionrl_fast.ops.gae import CROSS_MODES, LAM_ADAPTIVE_ROLLOUT, LAM_ADAPTIVE_SEGMENT, LAM_CONST, LAM_TENSOR
+    from tests.utils import SHAPE_TABLE, packed_batch
+
+    case = SHAPE_TABLE["empty_segments"] + SHAPE_TABLE["no_trainable"] + SHAPE_TABLE["four_segments"] + \
+        SHAPE_TABLE["single_token"]
+    b = packed_batch(case, index_dtype=torch.int64)
+    S = b["cu_seqlens"].numel() - 1
+    lam_arg, lam_seg, lam_val = lam, None, 0.0
+    if lam == "tensor":
+        lam_arg = lam_seg = torch.rand(S, generator=torch.Generator().manual_seed(1))
+        mode = LAM_TENSOR
+    elif lam == "adaptive":
+        mode = LAM_ADAPTIVE_ROLLOUT if length == "rollout" else LAM_ADAPTIVE_SEGMENT
+    else:
+        mode, lam_val = LAM_CONST, lam
+    got = kgae.gae_params(b["loss_mask"], b["cu_seqlens"], b["cu_segments"], lam_seg, 0.99, lam_val, mode, 1.5,
+                          CROSS_MODES[cross], -1.0 if lam_critic is None else lam_critic)
+    want = ref_gae.segment_params(b["loss_mask"], b["cu_seqlens"], b["cu_segments"], gamma=0.99, lam=lam_arg,
+                                  cross_segment=cross, lam_critic=lam_critic, adaptive_alpha=1.5,
+                                  adaptive_length=length)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)

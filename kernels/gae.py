@@ -60,9 +60,9 @@ def _add(a, b):
 
 
 @triton.jit
-def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, lam_ptr, out_ptr, S, gamma_hi, gamma_lo, lam_hi, lam_lo, alpha_hi,
+def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, start_ptr, lam_ptr, out_ptr, S, T, gamma_hi, gamma_lo, lam_hi, lam_lo, alpha_hi,
                        alpha_lo, lamc_hi, lamc_lo, LAM_MODE: tl.constexpr, CROSS: tl.constexpr,
-                       NEED_COUNTS: tl.constexpr, BLOCK: tl.constexpr):
+                       NEED_COUNTS: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr):
     """Per-segment numbers of rollout `program_id` (the Triton port of csrc/common/gae_step.h rollout_params):
     out [4, S] float64 rows gl = gamma*lam_s, glc (returns), scale ((gl)^N_later or 1), reset (1: nothing
     flows in from after the segment). The trainable counts are parked in the scale row until it is written.
@@ -80,6 +80,9 @@ def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, lam_ptr, out_ptr, S, gamma_hi, 
     if NEED_COUNTS:
         for i in range(s1 - s0):
             lo, hi = tl.load(cu_ptr + s0 + i).to(tl.int64), tl.load(cu_ptr + s0 + i + 1).to(tl.int64)
+            if HAS_START:  # the segment's tokens sit at start[s] (a padded row), not at cu[s]
+                lo, hi = tl.load(start_ptr + s0 + i), tl.load(start_ptr + s0 + i) + (hi - lo)
+            lo, hi = tl.minimum(tl.maximum(lo, 0), T), tl.minimum(tl.maximum(hi, 0), T)
             acc = tl.zeros([BLOCK], tl.int64)
             for j in range(tl.cdiv(hi - lo, BLOCK)):
                 o_t = lo + j * BLOCK + o_b
@@ -119,9 +122,9 @@ def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, lam_ptr, out_ptr, S, gamma_hi, 
 
 
 @triton.jit
-def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, cb_ptr, seg_ptr, gl_ptr, glc_ptr, scale_ptr, reset_ptr,
+def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, cb_ptr, seg_ptr, gl_ptr, glc_ptr, scale_ptr, reset_ptr,
                       gamma_hi, gamma_lo, carry_ptr, summary_ptr, adv_ptr, ret_ptr, n_chunks,
-                      BLOCK: tl.constexpr, WRITE: tl.constexpr, OWN_CRITIC: tl.constexpr):
+                      BLOCK: tl.constexpr, WRITE: tl.constexpr, OWN_CRITIC: tl.constexpr, HAS_START: tl.constexpr):
     """One chunk [cb[c], cb[c+1]) backwards, BLOCK tokens at a time; blocks may span segments.
 
     WRITE=False (phase 1): store the chunk's composed map to `summary` [8, n_chunks] float64.
@@ -161,9 +164,14 @@ def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, cb_ptr, seg_ptr, gl_pt
             b_le = tl.load(cu_ptr + b_mid).to(tl.int64) <= o_t
             b_s, b_s_hi = tl.where(b_le, b_mid, b_s), tl.where(b_le, b_s_hi, b_mid - 1)
         # [BLOCK]
-        b_m = tl.load(mask_ptr + o_t, mask=m_t, other=0) != 0
-        b_v32 = tl.load(val_ptr + o_t, mask=b_m, other=0.0)
-        b_rv = tl.load(rew_ptr + o_t, mask=b_m, other=0.0).to(ACC) - b_v32.to(ACC)
+        if HAS_START:  # token t of segment s sits at start[s] + (t - cu[s]) (placed segments, e.g. padded rows)
+            o_p = tl.load(start_ptr + b_s, mask=m_t, other=0) + o_t - tl.load(cu_ptr + b_s, mask=m_t, other=0).to(tl.int64)
+            o_p = tl.minimum(tl.maximum(o_p, 0), T - 1)
+        else:
+            o_p = o_t
+        b_m = tl.load(mask_ptr + o_p, mask=m_t, other=0) != 0
+        b_v32 = tl.load(val_ptr + o_p, mask=b_m, other=0.0)
+        b_rv = tl.load(rew_ptr + o_p, mask=b_m, other=0.0).to(ACC) - b_v32.to(ACC)
         # the recurrence stops after the segment's last token (segment end, or rollout end if stitched)
         b_end = tl.load(cu_ptr + b_s + 1, mask=m_t, other=0).to(tl.int64) - 1 == o_t
         b_keep = ~(b_end & (tl.load(reset_ptr + b_s, mask=m_t, other=0.0) != 0.0))
@@ -185,8 +193,8 @@ def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, cb_ptr, seg_ptr, gl_pt
             else:
                 b_ac = b_a
             b_scale = tl.load(scale_ptr + b_s, mask=b_m, other=0.0)
-            tl.store(adv_ptr + o_t, tl.where(b_m, b_scale * b_a, 0.0).to(adv_ptr.dtype.element_ty), mask=m_t)
-            tl.store(ret_ptr + o_t, tl.where(b_m, b_ac + b_v32, 0.0).to(ret_ptr.dtype.element_ty), mask=m_t)
+            tl.store(adv_ptr + o_p, tl.where(b_m, b_scale * b_a, 0.0).to(adv_ptr.dtype.element_ty), mask=m_t)
+            tl.store(ret_ptr + o_p, tl.where(b_m, b_ac + b_v32, 0.0).to(ret_ptr.dtype.element_ty), mask=m_t)
             a_c, ac_c = tl.gather(b_a, i_last, 0), tl.gather(b_ac, i_last, 0)
             v_c = tl.gather(b_z, i_last, 0) * v_c + tl.gather(b_q, i_last, 0)
         else:
@@ -252,7 +260,7 @@ NUM_WARPS = 4
 
 
 def _sig(idx):
-    return {"mask_ptr": "*u8", "cu_ptr": f"*{idx}", "cb_ptr": "*i64", "seg_ptr": "*i64"}
+    return {"mask_ptr": "*u8", "cu_ptr": f"*{idx}", "start_ptr": "*i64", "T": "i64", "cb_ptr": "*i64", "seg_ptr": "*i64"}
 
 
 # (kernel name, signature, constexprs) compiled ahead of time for sm_80/sm_90 by tests/test_aot.py: every
@@ -260,14 +268,18 @@ def _sig(idx):
 _CHUNK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", gl_ptr="*fp64", glc_ptr="*fp64", scale_ptr="*fp64",
                   reset_ptr="*fp64", gamma_hi="fp32", gamma_lo="fp32", carry_ptr="*fp64", summary_ptr="*fp64", adv_ptr="*fp32",
                   ret_ptr="*fp32", n_chunks="i64")
-_PARAMS_SIG = dict(mask_ptr="*u8", cu_ptr="*i64", cs_ptr="*i64", lam_ptr="*fp32", out_ptr="*fp64", S="i64",
+_PARAMS_SIG = dict(mask_ptr="*u8", cu_ptr="*i64", cs_ptr="*i64", start_ptr="*i64", lam_ptr="*fp32", out_ptr="*fp64",
+                   S="i64", T="i64",
                    **{f"{k}_{p}": "fp32" for k in ("gamma", "lam", "alpha", "lamc") for p in ("hi", "lo")})
 AOT_SPECS = [("_gae_params_kernel", _PARAMS_SIG, {"LAM_MODE": mode, "CROSS": cross, "NEED_COUNTS": counts,
-                                                  "BLOCK": PARAMS_BLOCK})
-             for mode, cross, counts in [(0, 0, False), (2, 1, True), (1, 2, True), (3, 1, True)]]
-AOT_SPECS += [("_gae_chunk_kernel", dict(_sig(idx), **_CHUNK_SIG), {"BLOCK": 256, "WRITE": write, "OWN_CRITIC": own})
-              for idx, write, own in [("i64", False, False), ("i64", False, True), ("i64", True, False),
-                                      ("i64", True, True)]]
+                                                  "HAS_START": start, "BLOCK": PARAMS_BLOCK})
+             for mode, cross, counts, start in [(0, 0, False, False), (2, 1, True, False), (1, 2, True, True),
+                                                (3, 1, True, True)]]
+AOT_SPECS += [("_gae_chunk_kernel", dict(_sig(idx), **_CHUNK_SIG),
+               {"BLOCK": 256, "WRITE": write, "OWN_CRITIC": own, "HAS_START": start})
+              for idx, write, own, start in [("i64", False, False, False), ("i64", False, True, False),
+                                             ("i64", True, False, False), ("i64", True, True, False),
+                                             ("i64", False, True, True), ("i64", True, True, True)]]
 AOT_SPECS += [("_gae_carry_kernel", {"summary_ptr": "*fp64", "carry_ptr": "*fp64", "n_chunks": "i64"},
                {"BLOCK": 256})]
 
@@ -295,30 +307,32 @@ def _split(x: float):
     return hi, float(np.float32(x - hi))
 
 
-def gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic):
+def gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic, seg_start=None):
     """Per-segment numbers: float64 [4, S] rows gamma*lam_s, gamma*lam_critic_s, scale_s, reset_s.
-    mask: [T] uint8/bool; cu: [S+1], cs: [R+1] int64 (sanitized); lam_seg: [S] float32 or None."""
-    S, R = cu.numel() - 1, cs.numel() - 1
+    mask: [T] uint8/bool; cu: [S+1], cs: [R+1] int64 (sanitized); lam_seg: [S] float32 or None;
+    seg_start: [S] int64 where each segment's tokens start (None: at cu[s])."""
+    S, R, T = cu.numel() - 1, cs.numel() - 1, mask.numel()
     params = torch.empty(4, S, dtype=torch.float64, device=mask.device)
     if R:
         need_counts = cross == CROSS_PAPER or lam_mode in (LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT)
-        _gae_params_kernel[(R,)](mask.view(torch.uint8), cu, cs, params if lam_seg is None else lam_seg, params, S,
+        _gae_params_kernel[(R,)](mask.view(torch.uint8), cu, cs, cu if seg_start is None else seg_start,
+                                 params if lam_seg is None else lam_seg, params, S, T,
                                  *_split(gamma), *_split(lam), *_split(alpha), *_split(lam_critic), LAM_MODE=lam_mode,
-                                 CROSS=cross, NEED_COUNTS=need_counts,
+                                 CROSS=cross, NEED_COUNTS=need_counts, HAS_START=seg_start is not None,
                                  BLOCK=PARAMS_BLOCK if mask.device.type == "cuda" else INTERPRET_BLOCK)
     return params
 
 
 def segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha,
-                    cross, lam_critic, *, block=None, chunk=None):
+                    cross, lam_critic, seg_start=None, *, block=None, chunk=None):
     """Launch the segment_gae kernels on the tensors' device (arguments: `_segment_gae_fwd`)."""
     with device_guard(loss_mask):
         return _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode,
-                                alpha, cross, lam_critic, block=block, chunk=chunk)
+                                alpha, cross, lam_critic, seg_start, block=block, chunk=chunk)
 
 
 def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha,
-                     cross, lam_critic, *, block=None, chunk=None):
+                     cross, lam_critic, seg_start=None, *, block=None, chunk=None):
     """Launch the segment_gae kernels; arguments as `torch.ops.compactionrl_fast.segment_gae`.
 
     Args:
@@ -326,6 +340,8 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
             (one dtype, validated by the caller); lam_seg: [S] float32 or None.
         gamma, lam, alpha: floats; lam_mode: 0 const, 1 adaptive (segment length), 2 adaptive (rollout
             length), 3 per-segment tensor; cross: 0 none, 1 paper, 2 stitched; lam_critic: < 0 means None.
+        seg_start: [S] int64 or None: segment s holds the tokens [seg_start[s], + its length) instead of
+            [cu[s], cu[s+1]) (segments placed anywhere in [0, T), e.g. the rows of a padded batch).
         block: tokens per block (power of two); chunk: tokens per chunk, 0 for one chunk per rollout;
             None picks both for the device.
 
@@ -351,18 +367,18 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
     n_bisect = torch.where(w > 0, torch.floor(torch.log2(w.double().clamp(min=1))) + 1, 0).long()  # bits of w
     seg = torch.stack([seg_lo, seg_hi, n_bisect])
     mask = loss_mask.view(torch.uint8)
-    params = gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic)
+    params = gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic, seg_start)
     gl, glc, scale, reset = params.unbind(0)
     own = lam_critic >= 0.0
     carry = torch.zeros(3, n_chunks, dtype=torch.float64, device=dev)
-    args = (rewards, values, mask, cu, cb, seg, gl, glc, scale, reset, *_split(gamma))
+    args = (rewards, values, mask, cu, cu if seg_start is None else seg_start, T, cb, seg, gl, glc, scale, reset,
+            *_split(gamma))
+    flags = dict(BLOCK=block, OWN_CRITIC=own, HAS_START=seg_start is not None, num_warps=NUM_WARPS)
     if not single:
         summary = torch.empty(N_MAP, n_chunks, dtype=torch.float64, device=dev)
-        _gae_chunk_kernel[(n_chunks,)](*args, carry, summary, adv, ret, n_chunks, BLOCK=block, WRITE=False,
-                                       OWN_CRITIC=own, num_warps=NUM_WARPS)
+        _gae_chunk_kernel[(n_chunks,)](*args, carry, summary, adv, ret, n_chunks, WRITE=False, **flags)
         _gae_carry_kernel[(1,)](summary, carry, n_chunks, BLOCK=CARRY_BLOCK, num_warps=NUM_WARPS)
     else:
         summary = carry
-    _gae_chunk_kernel[(n_chunks,)](*args, carry, summary, adv, ret, n_chunks, BLOCK=block, WRITE=True,
-                                   OWN_CRITIC=own, num_warps=NUM_WARPS)
+    _gae_chunk_kernel[(n_chunks,)](*args, carry, summary, adv, ret, n_chunks, WRITE=True, **flags)
     return adv, ret

@@ -48,11 +48,12 @@ def _check_packed(rewards, values, loss_mask, cu_seqlens, cu_segments):
 
 # ---------------------------------------------------------------- custom ops
 # (rewards [T] f32, values [T] f32, loss_mask [T] bool, cu_seqlens [S+1], cu_segments [R+1] (one index dtype),
-#  lam_seg [S] f32?, gamma, lam, lam_mode, alpha, cross, lam_critic (< 0: None)) -> (adv [T] f32, ret [T] f32)
+#  lam_seg [S] f32?, gamma, lam, lam_mode, alpha, cross, lam_critic (< 0: None), seg_start [S] int64?)
+#  -> (adv [T] f32, ret [T] f32)
 
 
 def _gae_fake(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha, cross,
-              lam_critic):
+              lam_critic, seg_start=None):
     T = loss_mask.shape[0]
     return rewards.new_empty(T, dtype=torch.float32), rewards.new_empty(T, dtype=torch.float32)
 
@@ -60,11 +61,11 @@ def _gae_fake(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamm
 @torch.library.custom_op("compactionrl_fast::segment_gae_triton", mutates_args=())
 def _gae_triton(rewards: Tensor, values: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, cu_segments: Tensor,
                 lam_seg: Optional[Tensor], gamma: float, lam: float, lam_mode: int, alpha: float, cross: int,
-                lam_critic: float) -> tuple[Tensor, Tensor]:
+                lam_critic: float, seg_start: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     from ..kernels.gae import segment_gae_fwd
 
     return segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode,
-                           alpha, cross, lam_critic)
+                           alpha, cross, lam_critic, seg_start)
 
 
 torch.library.register_fake("compactionrl_fast::segment_gae_triton", _gae_fake)
@@ -80,9 +81,36 @@ def _register_cpp_fake():
 _register_cpp_fake()
 
 
+def _check_starts(seg_start, cu_seqlens, T, device):
+    """`seg_start` [S] int64: segment s holds [seg_start[s], + its length); the segments must tile [0, T)."""
+    S = cu_seqlens.numel() - 1
+    check_tensor("seg_start", seg_start, dtypes=(torch.int64,), ndim=1, device=device, numel=S)
+    if not value_checks(seg_start) or S == 0:
+        return seg_start.contiguous()
+    lens = cu_seqlens.long().diff()
+    if bool(((seg_start < 0) | (seg_start + lens > T)).any()):
+        s = int(torch.nonzero((seg_start < 0) | (seg_start + lens > T))[0])
+        raise ValueError(f"seg_start[{s}]={int(seg_start[s])} puts segment {s} ({int(lens[s])} tokens) outside [0, T={T})")
+    keep = lens > 0
+    st, ln = seg_start[keep], lens[keep]
+    o = torch.argsort(st)
+    st, ln = st[o], ln[o]
+    end = st + ln
+    if st.numel() and (int(st[0]) != 0 or int(end[-1]) != T or bool((st[1:] != end[:-1]).any())):
+        raise ValueError("seg_start must place the segments so that they cover [0, T) without gaps or overlaps")
+    return seg_start.contiguous()
+
+
+def _placed_index(seg_start, cu_seqlens):
+    """Physical position of every logical token: int64 [T] (segments placed at seg_start)."""
+    lens = cu_seqlens.long().diff()
+    seg = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens, output_size=int(lens.sum()))
+    return seg_start[seg] + torch.arange(seg.numel(), device=lens.device) - cu_seqlens.long()[seg]
+
+
 def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gamma=1.0, lam="adaptive",
                 cross_segment="paper", lam_critic=1.0, adaptive_alpha=1.5, adaptive_length="rollout",
-                backend="auto"):
+                seg_start=None, backend="auto"):
     """GAE inside each segment of packed, compacted rollouts, with the cross-segment correction.
 
     Args:
@@ -98,6 +126,11 @@ def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gam
             across the rollout's segments).
         lam_critic: lambda of the returns' recurrence; None uses the advantages' lambda.
         adaptive_length: "rollout" or "segment": which trainable-token count l is.
+        seg_start: [S] int64 or None. Placed segments: segment s holds the tokens [seg_start[s],
+            seg_start[s] + len_s) with len_s = cu_seqlens[s+1] - cu_seqlens[s], instead of [cu_seqlens[s],
+            cu_seqlens[s+1]). The segments must tile [0, T). This reads a padded [B, L] batch flattened, with
+            no copy, even when the rows of a rollout are not adjacent: cu_seqlens = L * arange(B+1) in
+            chronological order per rollout, seg_start[s] = L * (row of segment s). Not on "cuda".
         backend: "auto" | "triton" | "cuda" | "cpp" | "torch".
 
     Returns:
@@ -134,8 +167,21 @@ def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gam
         lam_mode, lam_val = LAM_CONST, check_float("lam", lam, 0.0, 1.0)
     lam_c = -1.0 if lam_critic is None else check_float("lam_critic", lam_critic, 0.0, 1.0)
 
+    if seg_start is not None:
+        seg_start = _check_starts(seg_start, cu_seqlens, loss_mask.numel(), device)
     b = resolve_backend(backend, device, op="segment_gae")
+    if b == "cuda" and seg_start is not None:
+        if backend == "cuda":
+            raise ValueError("seg_start (placed segments) is not supported by the cuda backend: use backend='triton'")
+        b = "triton"
     rewards, values = rewards.detach().float().contiguous(), values.detach().float().contiguous()
+    if b == "torch" and seg_start is not None:  # the reference on the gathered logical order
+        idx = _placed_index(seg_start, cu_seqlens)
+        adv_l, ret_l = segment_gae(rewards[idx], values[idx], loss_mask[idx], cu_seqlens, cu_segments, gamma=gamma,
+                                   lam=lam, cross_segment=cross_segment, lam_critic=lam_critic,
+                                   adaptive_alpha=alpha, adaptive_length=adaptive_length, backend="torch")
+        adv, ret = torch.zeros_like(rewards), torch.zeros_like(rewards)
+        return adv.index_copy_(0, idx, adv_l), ret.index_copy_(0, idx, ret_l)
     if b == "torch":
         adv, ret = ref.segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments, gamma=gamma,
                                    lam=lam_seg if lam_seg is not None else (lam if lam_mode != LAM_CONST else lam_val),
@@ -144,7 +190,7 @@ def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gam
         return adv.float().to(device), ret.float().to(device)
     op = torch.ops.compactionrl_fast.segment_gae_triton if b == "triton" else torch.ops.compactionrl_fast.segment_gae
     return op(rewards, values, loss_mask.contiguous(), cu_seqlens, cu_segments, lam_seg, gamma, lam_val, lam_mode,
-              alpha, CROSS_MODES[cross_segment], lam_c)
+              alpha, CROSS_MODES[cross_segment], lam_c, seg_start)
 
 
 def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None, mode="paper"):

@@ -21,8 +21,10 @@ std::tuple<at::Tensor, at::Tensor> segment_gae_cuda(const at::Tensor& rewards, c
                                                     const at::Tensor& cu_segments,
                                                     const std::optional<at::Tensor>& lam_seg, double gamma,
                                                     double lam, int64_t lam_mode, double alpha, int64_t cross,
-                                                    double lam_critic) {
+                                                    double lam_critic, const std::optional<at::Tensor>& seg_start) {
   namespace K = crf::gae_cuda;
+  TORCH_CHECK_VALUE(!seg_start.has_value(), "segment_gae: seg_start (placed segments) needs the triton backend; "
+                    "the cuda backend reads packed segments only");
   const at::Device dev = loss_mask.device();
   TORCH_CHECK(dev.is_cuda(), "segment_gae: loss_mask must be a CUDA tensor");
   const int64_t T = loss_mask.numel(), S = cu_seqlens.numel() - 1, R = cu_segments.numel() - 1;

@@ -466,3 +466,52 @@ def test_cpp_multithread_path_matches_reference():
     b = packed_batch(case, seed=11, index_dtype=torch.int64)
     for mode in MODES:
         _check_backend("cpp", b, gamma=0.99, lam=0.95, cross_segment=mode)
+
+
+# ---------------------------------------------------------------- placed segments (seg_start)
+
+
+def _placed(b, seed):
+    """The batch's segments moved to a random order in memory: (rewards, values, mask, seg_start, where)
+    with where[t] the new position of packed token t."""
+    cu = b["cu_seqlens"].long()
+    S, T = cu.numel() - 1, int(cu[-1])
+    perm = torch.randperm(S, generator=torch.Generator().manual_seed(seed))  # memory order of the segments
+    lens = cu.diff()
+    start = torch.zeros(S, dtype=torch.long)
+    start[perm] = torch.cat([torch.zeros(1, dtype=torch.long), lens[perm].cumsum(0)[:-1]])
+    seg = torch.repeat_interleave(torch.arange(S), lens, output_size=T)
+    where = start[seg] + torch.arange(T) - cu[seg]
+    out = [torch.empty_like(b[k]).index_copy_(0, where, b[k]) for k in ("rewards", "values", "loss_mask")]
+    return (*out, start, where)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+@pytest.mark.parametrize("cross", ["paper", "none", "stitched"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_placed_segments_equal_packed(backend, cross, seed):
+    """Segments placed anywhere (the rows of a padded batch) give the packed op's numbers at the moved
+    positions: bitwise on the sequential CPU backends."""
+    b = packed_batch(random_case(seed) + SHAPE_TABLE["empty_segments"], seed=seed,
+                     index_dtype=(torch.int32, torch.int64)[seed % 2])
+    rew, val, mask, start, where = _placed(b, seed)
+    kw = dict(cross_segment=cross, lam="adaptive", adaptive_length=("rollout", "segment")[seed % 2])
+    want = crf.segment_gae(b["rewards"], b["values"], b["loss_mask"], b["cu_seqlens"], b["cu_segments"], backend=backend, **kw)
+    got = crf.segment_gae(rew, val, mask, b["cu_seqlens"], b["cu_segments"], seg_start=start, backend=backend, **kw)
+    for g, w in zip(got, want):
+        if backend in ("cpp", "torch"):
+            assert torch.equal(g[where], w)
+        else:
+            torch.testing.assert_close(g[where], w, atol=1e-6, rtol=1e-6)
+
+
+def test_placed_segments_bad_starts():
+    b = packed_batch([[(3, "all"), (2, "all")], [(4, "rand")]])
+    x, m = b["rewards"], b["loss_mask"]
+    for starts, msg in [([0, 3, 4], "without gaps or overlaps|outside|cover"), ([0, 3, 6], "outside"),
+                        ([-1, 3, 5], "outside"), ([5, 0, 1], "without gaps or overlaps|cover")]:
+        for backend in BACKENDS + ["torch"]:
+            with pytest.raises(ValueError, match=msg):
+                crf.segment_gae(x, x, m, b["cu_seqlens"], b["cu_segments"], seg_start=torch.tensor(starts), backend=backend)
+    with pytest.raises(TypeError, match="seg_start"):
+        crf.segment_gae(x, x, m, b["cu_seqlens"], b["cu_segments"], seg_start=torch.tensor([0, 3, 5], dtype=torch.int32))

@@ -122,7 +122,7 @@ def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, start_ptr, lam_ptr, out_ptr, S,
 
 
 @triton.jit
-def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, cb_ptr, seg_ptr, gl_ptr, glc_ptr, scale_ptr, reset_ptr,
+def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, cb_ptr, seg_ptr, gl_ptr, glc_ptr, scale_ptr, reset_ptr,
                       gamma_hi, gamma_lo, carry_ptr, summary_ptr, adv_ptr, ret_ptr, n_chunks,
                       BLOCK: tl.constexpr, WRITE: tl.constexpr, OWN_CRITIC: tl.constexpr, HAS_START: tl.constexpr):
     """One chunk [cb[c], cb[c+1]) backwards, BLOCK tokens at a time; blocks may span segments.
@@ -164,9 +164,9 @@ def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, cb_ptr, 
             b_le = tl.load(cu_ptr + b_mid).to(tl.int64) <= o_t
             b_s, b_s_hi = tl.where(b_le, b_mid, b_s), tl.where(b_le, b_s_hi, b_mid - 1)
         # [BLOCK]
-        if HAS_START:  # token t of segment s sits at start[s] + (t - cu[s]) (placed segments, e.g. padded rows)
-            o_p = tl.load(start_ptr + b_s, mask=m_t, other=0) + o_t - tl.load(cu_ptr + b_s, mask=m_t, other=0).to(tl.int64)
-            o_p = tl.minimum(tl.maximum(o_p, 0), T - 1)
+        if HAS_START:  # token t of segment s sits at t + shift[s] (placed segments, e.g. padded rows)
+            o_p = o_t + tl.load(shift_ptr + b_s, mask=m_t, other=0)
+            m_t = m_t & (o_p >= 0) & (o_p < T)  # unchecked placements never reach outside [0, T)
         else:
             o_p = o_t
         b_m = tl.load(mask_ptr + o_p, mask=m_t, other=0) != 0
@@ -260,7 +260,7 @@ NUM_WARPS = 4
 
 
 def _sig(idx):
-    return {"mask_ptr": "*u8", "cu_ptr": f"*{idx}", "start_ptr": "*i64", "T": "i64", "cb_ptr": "*i64", "seg_ptr": "*i64"}
+    return {"mask_ptr": "*u8", "cu_ptr": f"*{idx}", "shift_ptr": "*i64", "T": "i64", "cb_ptr": "*i64", "seg_ptr": "*i64"}
 
 
 # (kernel name, signature, constexprs) compiled ahead of time for sm_80/sm_90 by tests/test_aot.py: every
@@ -371,7 +371,8 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
     gl, glc, scale, reset = params.unbind(0)
     own = lam_critic >= 0.0
     carry = torch.zeros(3, n_chunks, dtype=torch.float64, device=dev)
-    args = (rewards, values, mask, cu, cu if seg_start is None else seg_start, T, cb, seg, gl, glc, scale, reset,
+    shift = cu if seg_start is None else seg_start - cu[:-1]  # placed segments: token t sits at t + shift[s]
+    args = (rewards, values, mask, cu, shift, T, cb, seg, gl, glc, scale, reset,
             *_split(gamma))
     flags = dict(BLOCK=block, OWN_CRITIC=own, HAS_START=seg_start is not None, num_warps=NUM_WARPS)
     if not single:

@@ -417,7 +417,8 @@ def _route_cpp_to_cuda_host(monkeypatch, lib):
     """backend="cpp" calls the CUDA kernels on the host instead (same schema, same argument preparation)."""
     from compactionrl_fast.ops._alloc import empty
 
-    def segment_gae(rew, val, mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic):
+    def segment_gae(rew, val, mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic, seg_start=None):
+        assert seg_start is None, "the cuda backend reads packed segments only"
         T = mask.numel()
         adv, ret = empty(T), empty(T)
         ptr = lambda t: t.data_ptr() if t is not None and t.numel() else None

@@ -145,6 +145,14 @@ async def arun_rollouts(engine, envs, tokenizer, config: RolloutConfig | None = 
             raise ValueError(f"config.budget={config.budget} is smaller than rollout {st.key}'s prompt (seed "
                              f"{st.out.seed}): {len(st.ctx)} tokens of system prompt and task need a budget >= "
                              f"{need} to sample a response; the context would exceed the budget")
+        if config.max_compactions > 0:  # the context rebuilt around a full-length summary must fit too
+            resumed = len(chat.resume_head(st.system, st.task, [0] * config.summary_cap, config.resume_template))
+            need = resumed + len(chat.gen_prompt) + 1 + len(chat.assistant_end)
+            if need > config.budget:
+                raise ValueError(f"config.budget={config.budget} cannot hold rollout {st.key}'s context after a "
+                                 f"compaction (seed {st.out.seed}): system prompt, task, resume template and a "
+                                 f"summary of summary_max_tokens={config.summary_cap} tokens need a budget >= {need}; "
+                                 "raise the budget or lower summary_max_tokens")
 
     round_idx = 0
     while True:

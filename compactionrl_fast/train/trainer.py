@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .. import _io
 from . import checkpoint, diagnostics
-from .config import TrainConfig, to_dict
+from .config import TrainConfig, to_dict, validate
 from .model import action_index, actor_logprobs, critic_hidden
 from .threads import maybe_step
 
@@ -88,6 +88,7 @@ class State:
 
 
 def make_state(cfg: TrainConfig, actor, critic, group=None) -> State:
+    validate(cfg)  # a config changed field by field after it was built
     adam = dict(betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     return State(cfg, actor, critic, torch.optim.Adam(actor.parameters(), lr=cfg.actor_lr, **adam),
                  torch.optim.Adam(critic.parameters(), lr=cfg.critic_lr, **adam), group=group)

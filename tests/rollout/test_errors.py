@@ -80,5 +80,17 @@ def test_a_budget_smaller_than_the_prompt_is_refused():
     for budget in (1, prompt, prompt + 2):  # the prompt + "<assistant>" + one token + "<eos>" does not fit
         with pytest.raises(ValueError, match=f"config.budget={budget} is smaller than rollout 0's prompt"):
             run_rollouts(FixedEngine(TOK), [ListEnv(["la"])], TOK, memory_config(budget=budget, compact_threshold=1))
-    ro = run_rollouts(FixedEngine(TOK), [ListEnv(["la"])], TOK, memory_config(budget=prompt + 3, compact_threshold=1))[0]
+    cfg = memory_config(budget=prompt + 3, compact_threshold=1, max_compactions=0)
+    ro = run_rollouts(FixedEngine(TOK), [ListEnv(["la"])], TOK, cfg)[0]
     assert all(len(s) <= prompt + 3 for s in ro.segments if s.kind == "exec")
+    # with compactions, the context rebuilt around a full-length summary has to fit as well
+    text = TOK.apply_chat_template([{"role": "system", "content": "memory"}, {"role": "user", "content":
+                                    cfg.resume_template.format(task="collect digits", summary=" ".join(["la"] * 4))}],
+                                   tokenize=False)
+    resumed = len(TOK.encode(text, add_special_tokens=False))  # a 4-token summary
+    with pytest.raises(ValueError, match=f"config.budget={resumed + 2} cannot hold rollout 0's context after a compaction"):
+        run_rollouts(FixedEngine(TOK), [ListEnv(["la"])], TOK,
+                     memory_config(budget=resumed + 2, compact_threshold=1, summary_max_tokens=4))
+    ro = run_rollouts(FixedEngine(TOK, summary="seen 1"), [ListEnv(["la"] * 6)], TOK,
+                      memory_config(budget=resumed + 3, compact_threshold=resumed - prompt, summary_max_tokens=4))[0]
+    assert ro.compactions > 0 and all(len(s) <= resumed + 3 for s in ro.segments if s.kind == "exec")

@@ -107,3 +107,14 @@ def test_bad_config_fails_before_any_training(tmp_path):
     with pytest.raises(ConfigError, match="steps='abc'"):
         cli.main(["train", "--run-dir", str(run), "--set", "steps=abc", "--set", "sft.steps=2"])
     assert not run.exists()
+
+
+def test_a_config_changed_after_it_was_built_is_checked_by_the_trainer():
+    from compactionrl_fast.train.trainer import make_state
+
+    from ._tiny import tiny_models
+
+    cfg = TrainConfig()
+    cfg.ppo_epochs, cfg.max_grad_norm = 0, -1.0
+    with pytest.raises(ConfigError, match=r"(?s)ppo_epochs=0.*max_grad_norm=-1.0"):
+        make_state(cfg, *tiny_models())

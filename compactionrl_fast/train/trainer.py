@@ -402,10 +402,18 @@ class MetricsLog:
         if self.rank != 0:
             return
         row = {"step": step, **diagnostics.finite(metrics)}
+        line = json.dumps(row) + "\n"
         with open(self.path, "a") as f:  # one line appended and synced; a line cut by a kill is dropped on resume
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+            size = f.tell()
+            try:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as e:
+                f.truncate(size)  # no partial line left behind
+                if _io.is_no_space(e):
+                    raise OSError(e.errno, f"no space left on device while writing {self.path}") from e
+                raise
         if self.tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):

@@ -202,3 +202,27 @@ def test_old_unchecked_checkpoints_are_refused(tmp_path):
     torch.save({"step": 1, "models": {}, "optimizers": {}}, tmp_path / "checkpoint.pt")
     with pytest.raises(CorruptCheckpointError, match="no checksum"):
         checkpoint.load(str(tmp_path), models={}, optimizers={})
+
+
+def test_metrics_log_full_disk_and_a_cut_line(tmp_path, monkeypatch):
+    from compactionrl_fast.train.trainer import MetricsLog, read_rows
+
+    log = MetricsLog(str(tmp_path), tensorboard=False)
+    log.log(0, {"reward": 1.0})
+    path = tmp_path / "metrics.jsonl"
+    good = path.read_text()
+    real_fsync = os.fsync
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match=f"no space left on device while writing {path}"):
+        log.log(1, {"reward": 2.0})
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert path.read_text() == good  # the partial line is gone
+    # a line cut by a kill: dropped when the run resumes
+    with open(path, "a") as f:
+        f.write('{"step": 1, "rew')
+    MetricsLog(str(tmp_path), resume_step=5, tensorboard=False)
+    assert [r["step"] for r in read_rows(path)] == [0] and path.read_text() == good

@@ -20,7 +20,8 @@ TMP_TAG = ".tmp-"  # temporary names: "." + target name + TMP_TAG + writer's pid
 _TMP_RE = re.compile(r"^\..+\.tmp-(\d+)$")
 
 # Test hook for the trainer's fault test: COMPACTIONRL_FAST_KILL_AT_WRITE=k makes the k-th atomic write
-# of this process (1-based) SIGKILL the process half-way through, its temporary file left on disk.
+# of this process (1-based), =NAME the first write of a file or directory named NAME, SIGKILL the
+# process half-way through, its temporary file left on disk.
 _KILL_ENV = "COMPACTIONRL_FAST_KILL_AT_WRITE"
 _writes = 0
 
@@ -59,17 +60,18 @@ def _remove(p: str) -> None:
             os.remove(p)
 
 
-def _fault_point(f) -> None:
-    """The test hook: kill this process after half of what was written so far reached the disk."""
+def _fault_point(path: str, f=None) -> None:
+    """The test hook: kill this process with half of file `f` (if any) on the disk."""
     global _writes
     want = os.environ.get(_KILL_ENV)
     if not want:
         return
     _writes += 1
-    if _writes == int(want):
-        f.flush()
-        f.truncate(max(f.tell() // 2, 1))
-        os.fsync(f.fileno())
+    if (_writes == int(want)) if want.isdigit() else (os.path.basename(path) == want):
+        if f is not None:
+            f.flush()
+            f.truncate(max(f.tell() // 2, 1))
+            os.fsync(f.fileno())
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -94,7 +96,7 @@ def atomic_write(path: str, write, *, text: bool = False) -> str:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # 0o666 & ~umask, like open()
         with os.fdopen(fd, "w" if text else "wb") as f:
             write(f)
-            _fault_point(f)
+            _fault_point(path, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -129,6 +131,7 @@ def atomic_dir(path: str):
     try:
         os.makedirs(tmp)
         yield tmp
+        _fault_point(path)
         for root, _, files in os.walk(tmp):
             for name in files:
                 with open(os.path.join(root, name), "rb") as f:

@@ -63,10 +63,11 @@ def test_kill_9_anywhere_then_restart_equals_an_uninterrupted_run(tmp_path):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
     ref = _start(ref_dir)
     rng = random.Random(1234)
-    # kills inside a write: sft_actor.pt, the first checkpoint, a later one, then at a random time (each
-    # process counts its writes from 1: config.json, [sft_actor.pt], a checkpoint after each step, the final one)
-    plan = [("write", 2), ("write", 3), ("write", rng.randint(3, 5)), ("time", rng.uniform(3.0, 6.0))]
-    kills = 0
+    # kills inside a write: sft_actor.pt, the first checkpoint, a later one, at a random time, then inside
+    # the export of the Hugging Face actor directory (each process counts its writes from 1: config.json,
+    # [sft_actor.pt], a checkpoint after each step, the final checkpoint, actor/)
+    plan = [("write", 2), ("write", 3), ("write", rng.randint(3, 5)), ("time", rng.uniform(3.0, 6.0)),
+            ("write", "actor")]
     for kind, at in plan:
         p = _start(run_dir, kill_at_write=at if kind == "write" else None)
         if kind == "time":
@@ -75,9 +76,8 @@ def test_kill_9_anywhere_then_restart_equals_an_uninterrupted_run(tmp_path):
             except subprocess.TimeoutExpired:
                 p.send_signal(signal.SIGKILL)
         rc, err = _finish(p)
-        assert rc in (0, -signal.SIGKILL), err[-3000:]
-        kills += rc == -signal.SIGKILL
-    assert kills >= len(plan) - 1  # the write hooks fired (the timed kill may land after the end)
+        # a write hook always fires (every restart writes again); the timed kill may land after the end
+        assert rc == -signal.SIGKILL or (kind == "time" and rc == 0), (kind, at, rc, err[-3000:])
     rc, err = _finish(_start(run_dir))  # the last restart runs to the end
     assert rc == 0, err[-3000:]
     rc, err = _finish(ref)

@@ -13,6 +13,7 @@ configurable probability (a systematic error that supervised learning copies and
 from __future__ import annotations
 
 import functools
+import numbers
 import random
 
 from ..rollout.config import RolloutConfig
@@ -63,7 +64,7 @@ class MemoryEnv:
     def __init__(self, n_digits: int = 6, n_fillers: int = 15, n_blank: int = 0):
         for name, v, lo, hi in (("n_digits", n_digits, 1, 9), ("n_fillers", n_fillers, 0, None),
                                 ("n_blank", n_blank, 0, None)):
-            if isinstance(v, bool) or not isinstance(v, int):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise TypeError(f"MemoryEnv: {name} must be an integer, got {type(v).__name__} {v!r}")
             if v < lo or (hi is not None and v > hi):
                 raise ValueError(f"MemoryEnv: {name} must be in {lo}..{hi if hi is not None else 'inf'}, got {v}")

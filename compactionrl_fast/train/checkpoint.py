@@ -77,6 +77,23 @@ def _digest(obj, h, where="payload") -> None:
                         "(dicts, lists, tuples, str, numbers, None and tensors only)")
 
 
+def _plain(obj):
+    """A copy of user data with numpy/bool-like scalars as Python builtins (torch.load(weights_only=True)
+    refuses numpy scalars, which pass isinstance(x, float))."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v) for v in obj) if type(obj) in (list, tuple) else tuple(_plain(v) for v in obj)
+    if isinstance(obj, (bool, np.bool_)):
+        return bool(obj)
+    if isinstance(obj, np.generic) and obj.ndim == 0 and np.issubdtype(obj.dtype, np.number):
+        return obj.item()
+    for t in (int, float, str):
+        if isinstance(obj, t) and type(obj) is not t:
+            return t(obj)
+    return obj
+
+
 def checksum(obj) -> str:
     h = hashlib.sha256()
     _digest(obj, h)
@@ -126,7 +143,7 @@ def save(run_dir: str, *, models: dict, optimizers: dict, step: int, extra: dict
         "models": {k: m.state_dict() for k, m in models.items()},
         "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
         "rng": rng_state(),
-        "extra": extra or {},
+        "extra": _plain(extra or {}),
     }
     return write(os.path.join(run_dir, name), payload)
 

@@ -115,7 +115,8 @@ def test_atomic_dir_swaps_whole_directories(tmp_path):
 
 def test_checkpoint_round_trip_restores_everything_bitwise(tmp_path):
     path, actor, critic, opt = _save_tiny(tmp_path, step=7, extra={"note": "x", "hist": [1, 2.5, None],
-                                                                    "t": torch.arange(3)})
+                                                                    "t": torch.arange(3), "np": np.float64(0.5),
+                                                                    "flag": np.bool_(True), "n": np.int64(3)})
     torch.manual_seed(5)
     random.seed(5)
     np.random.seed(5)
@@ -124,6 +125,7 @@ def test_checkpoint_round_trip_restores_everything_bitwise(tmp_path):
     o2 = torch.optim.Adam(a2.parameters(), lr=1e-3)
     info = checkpoint.load(str(tmp_path), models={"actor": a2, "critic": c2}, optimizers={"actor": o2})
     assert info["step"] == 7 and info["extra"]["note"] == "x" and info["extra"]["hist"] == [1, 2.5, None]
+    assert (info["extra"]["np"], info["extra"]["flag"], info["extra"]["n"]) == (0.5, True, 3)
     for m1, m2 in ((actor, a2), (critic, c2)):
         s1, s2 = m1.state_dict(), m2.state_dict()
         assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)

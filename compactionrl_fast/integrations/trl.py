@@ -68,9 +68,9 @@ def policy_loss(new_logprobs, logprobs, advantages, padding_mask, cliprange):
     `new_logprobs` [B, L] receives the gradient; `logprobs`, `advantages` [B, L]; `padding_mask` True on padding.
     """
     lay = packed_layout(~as_bool_mask("padding_mask", padding_mask))
+    clip = _number("cliprange", cliprange)
     loss, m = ppo_policy_loss(lay.pack(new_logprobs, "new_logprobs"), lay.pack(logprobs, "logprobs"),
-                              lay.pack(advantages, "advantages"), lay.loss_mask, clip_low=_number("cliprange", cliprange),
-                              clip_high=_number("cliprange", cliprange))
+                              lay.pack(advantages, "advantages"), lay.loss_mask, clip_low=clip, clip_high=clip)
     return loss, m["clip_fraction"]
 
 

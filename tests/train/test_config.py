@@ -65,7 +65,8 @@ def test_one_error_lists_every_bad_field():
         _parse(argv)
     assert len(e.value.problems) == len(BAD), e.value.problems
     for key, (value, why) in BAD.items():
-        lines = [ln for ln in e.value.problems if ln.startswith("rollout=" if key.startswith("rollout.") else key + "=")]
+        head = "rollout=" if key.startswith("rollout.") else key + "="
+        lines = [ln for ln in e.value.problems if ln.startswith(head)]
         assert len(lines) == 1 and re.search(why, lines[0]), (key, e.value.problems)
 
 

@@ -46,8 +46,9 @@ def test_atomic_write_keeps_the_old_file_on_error(tmp_path):
     assert p.read_text() == "new" and _files(tmp_path) == ["f.txt"]
 
 
-@pytest.mark.parametrize("error", [RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1472 vs 1366"),
-                                   OSError(errno.ENOSPC, "No space left on device")])
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1472 vs 1366"),
+    OSError(errno.ENOSPC, "No space left on device")])
 def test_full_disk_is_a_clear_error_and_leaves_no_partial_file(tmp_path, monkeypatch, error):
     path, *_ = _save_tiny(tmp_path, step=1)
     good = open(path, "rb").read()

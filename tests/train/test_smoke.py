@@ -11,7 +11,8 @@ TINY = ["--set", "model.hidden_size=16", "--set", "model.num_layers=1", "--set",
         "--set", "model.intermediate_size=32", "--set", "sft.steps=2", "--set", "sft.rollouts_per_step=2",
         "--set", "env.n_digits=3", "--set", "env.n_fillers=4", "--set", "rollout.budget=64",
         "--set", "rollout.compact_threshold=20", "--set", "rollout.max_response_tokens=6",
-        "--set", "rollout.summary_max_tokens=6", "--set", "rollout.truncated_reward=-1", "--rollouts-per-step", "4", "--value-pretrain-steps", "1",
+        "--set", "rollout.summary_max_tokens=6", "--set", "rollout.truncated_reward=-1",
+        "--rollouts-per-step", "4", "--value-pretrain-steps", "1",
         "--steps", "2", "--gap-every", "2", "--threads", "0", "--progress", "false"]
 
 

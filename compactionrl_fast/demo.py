@@ -234,6 +234,7 @@ def _table(results) -> str:
 
 def _write(results, out_dir, name):
     os.makedirs(out_dir, exist_ok=True)
+    _io.remove_stale_temps(out_dir)
     _io.write_text(os.path.join(out_dir, name + ".json"), json.dumps(results, indent=1, default=str))
     t = results["summary"]["targets"]
     md = [f"# CPU demo ({name})", "", f"Command: `{results['command']}`", "",

@@ -187,8 +187,19 @@ def _threads(v):
     return None if v == "auto" or (_is_int(v) and v >= 0) else "must be 'auto' or an integer >= 0"
 
 
+def _is_plain(v):
+    """Data a checkpoint can hold (it stores the config): str, numbers, bools, None, lists and mappings."""
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _is_plain(x) for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return all(_is_plain(x) for x in v)
+    return v is None or type(v) in (str, int, float, bool)
+
+
 def _mapping(v):
-    return None if isinstance(v, dict) and all(isinstance(k, str) for k in v) else "must be a mapping of names"
+    if not (isinstance(v, dict) and all(isinstance(k, str) for k in v)):
+        return "must be a mapping of names"
+    return None if _is_plain(v) else "values must be plain data (str, numbers, booleans, None, lists, mappings)"
 
 
 def _dtype(v):

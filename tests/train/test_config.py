@@ -90,6 +90,8 @@ def test_flags_and_constructors_are_validated_too():
         SFTConfig(warmup_steps=-1)
     with pytest.raises(ConfigError, match=r"adam_betas=\(0.9, 1.0\)"):
         update(TrainConfig(), {"adam_betas": [0.9, 1.0]})
+    with pytest.raises(ConfigError, match="env=.*plain data"):  # YAML reads 2024-01-01 as a date
+        _parse(["--set", "env.start=2024-01-01"])
 
 
 def test_good_values_parse():

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from . import _io
 from .train import checkpoint
 from ._git import git_revision
 from .train.config import TrainConfig, dumps, to_dict, update
@@ -233,8 +234,8 @@ def _table(results) -> str:
 
 def _write(results, out_dir, name):
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, name + ".json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
+    _io.remove_stale_temps(out_dir)
+    _io.write_text(os.path.join(out_dir, name + ".json"), json.dumps(results, indent=1, default=str))
     t = results["summary"]["targets"]
     md = [f"# CPU demo ({name})", "", f"Command: `{results['command']}`", "",
           f"Machine: {results['machine']}; total {results['total_time_s'] / 60:.1f} min wall, "
@@ -243,8 +244,7 @@ def _write(results, out_dir, name):
           "Evaluation: held-out tasks, success = exact answer; summary recall = fraction of summaries that "
           "hold every digit seen before them.", "", _table(results), "",
           "Targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in t.items()), ""]
-    with open(os.path.join(out_dir, name + ".md"), "w") as f:
-        f.write("\n".join(md))
+    _io.write_text(os.path.join(out_dir, name + ".md"), "\n".join(md))
     _curves(results, os.path.join(out_dir, name + ".png"))
 
 
@@ -302,23 +302,24 @@ def train(cfg: TrainConfig, *, resume: bool = True):
     actor = build(cfg, tok, device)  # same seed on every rank: identical initial weights
     if rank == 0:
         os.makedirs(cfg.run_dir, exist_ok=True)
-        with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
-            f.write(dumps(cfg))
+        _io.remove_stale_temps(cfg.run_dir)  # left by a run killed mid-write
+        _io.write_text(os.path.join(cfg.run_dir, "config.json"), dumps(cfg))
     sft_path = os.path.join(cfg.run_dir, "sft_actor.pt")
     has_ckpt = resume and checkpoint.exists(cfg.run_dir)
     if cfg.sft.steps > 0 and not has_ckpt:
         if resume and os.path.isfile(sft_path):
-            actor.load_state_dict(torch.load(sft_path))
+            actor.load_state_dict(checkpoint.load_state_dict(sft_path))
         else:
             run_sft(cfg, actor, tok, make_envs, rcfg, log=MetricsLog(os.path.join(cfg.run_dir, "sft")),
                     progress=cfg.progress, tuner=tuner)
             if rank == 0:
-                torch.save(actor.state_dict(), sft_path)
+                checkpoint.save_state_dict(actor.state_dict(), sft_path)
     state = run_rl(cfg, actor, tok, make_envs, rcfg, progress=cfg.progress, resume=resume, tuner=tuner)
     if rank == 0:
         from .train.plots import plot_run
 
         plot_run(cfg.run_dir)
-        actor.save_pretrained(os.path.join(cfg.run_dir, "actor"))
-        tok.save_pretrained(os.path.join(cfg.run_dir, "actor"))
+        with _io.atomic_dir(os.path.join(cfg.run_dir, "actor")) as tmp:
+            actor.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
     return state

@@ -91,6 +91,17 @@ def pack(rollouts, *, prefix_sharing: bool = False, reward_mode: str = "paper", 
 
     if reward_mode not in ("paper", "stitched"):
         raise ValueError(f"reward_mode must be 'paper' or 'stitched', got {reward_mode!r}")
+    if isinstance(rollouts, (str, bytes, dict)) or hasattr(rollouts, "segments") or not hasattr(rollouts, "__iter__"):
+        raise TypeError(f"rollouts must be a list of Rollout records, got {type(rollouts).__name__}")
+    rollouts = list(rollouts)
+    for r_i, ro in enumerate(rollouts):
+        if not all(hasattr(ro, a) for a in ("segments", "reward", "truncated", "error")):
+            raise TypeError(f"rollouts[{r_i}] must be a Rollout record (as run_rollouts returns), "
+                            f"got {type(ro).__name__}")
+        for s_i, s in enumerate(ro.segments):
+            if getattr(s, "kind", None) not in SEGMENT_KINDS:
+                raise ValueError(f"rollouts[{r_i}].segments[{s_i}].kind must be one of {sorted(SEGMENT_KINDS)}, "
+                                 f"got {getattr(s, 'kind', None)!r}")
     ids, mask, lps = [], [], []
     cu_attn, cu_seq, cu_seg, seg_attn, kinds = [0], [0], [0], [], []
     for r_i, ro in enumerate(rollouts):

@@ -13,6 +13,7 @@ configurable probability (a systematic error that supervised learning copies and
 from __future__ import annotations
 
 import functools
+import numbers
 import random
 
 from ..rollout.config import RolloutConfig
@@ -61,10 +62,12 @@ class MemoryEnv:
     """
 
     def __init__(self, n_digits: int = 6, n_fillers: int = 15, n_blank: int = 0):
-        if not 1 <= int(n_digits) <= 9:
-            raise ValueError(f"n_digits must be in 1..9, got {n_digits}")
-        if int(n_fillers) < 0 or int(n_blank) < 0:
-            raise ValueError("n_fillers and n_blank must be >= 0")
+        for name, v, lo, hi in (("n_digits", n_digits, 1, 9), ("n_fillers", n_fillers, 0, None),
+                                ("n_blank", n_blank, 0, None)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"MemoryEnv: {name} must be an integer, got {type(v).__name__} {v!r}")
+            if v < lo or (hi is not None and v > hi):
+                raise ValueError(f"MemoryEnv: {name} must be in {lo}..{hi if hi is not None else 'inf'}, got {v}")
         self.n_digits, self.n_fillers, self.n_blank = int(n_digits), int(n_fillers), int(n_blank)
         self.digits, self._queue, self._rng = [], [], random.Random(0)
 

@@ -22,6 +22,16 @@ from ._common import denominator_from
 from .layout import as_bool_mask, packed_layout, segment_gae_padded
 
 
+def _number(name, x):
+    """float(x) for a Python/numpy/0-d tensor number; TypeError naming the argument otherwise."""
+    if isinstance(x, bool) or isinstance(x, (str, bytes)) or x is None:
+        raise TypeError(f"{name} must be a number, got {type(x).__name__} {x!r}")
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {type(x).__name__}") from None
+
+
 @torch.no_grad()
 def get_advantages_and_returns(values, rewards, action_mask, gamma, lambd, *, rollout_ids=None, segment_index=None,
                                **gae_kwargs):
@@ -39,7 +49,7 @@ def get_advantages_and_returns(values, rewards, action_mask, gamma, lambd, *, ro
     """
     if action_mask is None:
         action_mask = torch.ones(values.shape, dtype=torch.bool, device=values.device)
-    kw = dict(gamma=float(gamma), lam=float(lambd), lam_critic=None, cross_segment="paper")
+    kw = dict(gamma=_number("gamma", gamma), lam=_number("lambd", lambd), lam_critic=None, cross_segment="paper")
     kw.update(gae_kwargs)
     return segment_gae_padded(rewards, values, action_mask, rollout_ids, segment_index=segment_index, **kw)
 
@@ -71,7 +81,7 @@ class PolicyLoss(nn.Module):
         super().__init__()
         if policy_loss_type != "ppo":
             raise ValueError(f"policy_loss_type must be 'ppo' for the compaction adapter, got {policy_loss_type!r}")
-        if dual_clip is not None and not dual_clip > 1.0:
+        if dual_clip is not None and not _number("dual_clip", dual_clip) > 1.0:
             raise ValueError(f"dual_clip must be > 1.0, got {dual_clip}")
         self.tis_cap = None
         if is_correction_level != "off":
@@ -79,8 +89,9 @@ class PolicyLoss(nn.Module):
             if (is_correction_level, is_correction_mode, is_correction_gating) != ("token", "clip", "ratio") or low > 0:
                 raise ValueError("is_correction_*: only 'off' or the truncated importance weight (level='token', "
                                  "mode='clip', gating='ratio', threshold=(0, cap)) are supported")
-            self.tis_cap = float(high)
-        self.clip_eps_low, self.clip_eps_high = float(clip_eps_low), float(clip_eps_high)
+            self.tis_cap = _number("is_correction_threshold[1]", high)
+        self.clip_eps_low = _number("clip_eps_low", clip_eps_low)
+        self.clip_eps_high = _number("clip_eps_high", clip_eps_high)
         self.dual_clip, self.token_level_loss = dual_clip, token_level_loss
         self.is_correction_threshold = tuple(is_correction_threshold)
 
@@ -117,7 +128,8 @@ class ValueLoss(nn.Module):
 
     def __init__(self, clip_eps: float = None, token_level_loss: bool = True) -> None:
         super().__init__()
-        self.clip_eps, self.token_level_loss = clip_eps, token_level_loss
+        self.clip_eps = None if clip_eps is None else _number("clip_eps", clip_eps)
+        self.token_level_loss = token_level_loss
 
     def forward(self, values, old_values, returns, action_mask=None, dp_size=1, batch_num_tokens=None,
                 global_batch_size=None):

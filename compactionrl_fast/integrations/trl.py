@@ -25,6 +25,16 @@ from ._common import masked_whiten
 from .layout import as_bool_mask, packed_layout, segment_gae_padded
 
 
+def _number(name, x):
+    """float(x) for a Python/numpy/0-d tensor number; TypeError naming the argument otherwise."""
+    if isinstance(x, bool) or isinstance(x, (str, bytes)) or x is None:
+        raise TypeError(f"{name} must be a number, got {type(x).__name__} {x!r}")
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {type(x).__name__}") from None
+
+
 @torch.no_grad()
 def compute_advantages(rewards, values, padding_mask, padding_mask_p1, gamma, lam, *, whiten=True, rollout_ids=None,
                        segment_index=None, **gae_kwargs):
@@ -45,7 +55,7 @@ def compute_advantages(rewards, values, padding_mask, padding_mask_p1, gamma, la
     """
     steps = ~as_bool_mask("padding_mask_p1", padding_mask_p1)  # TRL's recurrence runs over these positions
     response = ~as_bool_mask("padding_mask", padding_mask)
-    kw = dict(gamma=float(gamma), lam=float(lam), lam_critic=None, cross_segment="paper")
+    kw = dict(gamma=_number("gamma", gamma), lam=_number("lam", lam), lam_critic=None, cross_segment="paper")
     kw.update(gae_kwargs)
     adv, ret = segment_gae_padded(rewards, values, steps, rollout_ids, segment_index=segment_index, **kw)
     adv = masked_whiten(adv, response) if whiten else torch.where(response, adv, 0.0)
@@ -58,9 +68,9 @@ def policy_loss(new_logprobs, logprobs, advantages, padding_mask, cliprange):
     `new_logprobs` [B, L] receives the gradient; `logprobs`, `advantages` [B, L]; `padding_mask` True on padding.
     """
     lay = packed_layout(~as_bool_mask("padding_mask", padding_mask))
+    clip = _number("cliprange", cliprange)
     loss, m = ppo_policy_loss(lay.pack(new_logprobs, "new_logprobs"), lay.pack(logprobs, "logprobs"),
-                              lay.pack(advantages, "advantages"), lay.loss_mask, clip_low=float(cliprange),
-                              clip_high=float(cliprange))
+                              lay.pack(advantages, "advantages"), lay.loss_mask, clip_low=clip, clip_high=clip)
     return loss, m["clip_fraction"]
 
 
@@ -68,5 +78,5 @@ def value_loss(vpred, values, returns, padding_mask_p1, cliprange_value):
     """TRL's clipped value loss: (vf_loss, vf_clipfrac), 0.5 * token mean of max((v-R)^2, (v_clip-R)^2)."""
     lay = packed_layout(~as_bool_mask("padding_mask_p1", padding_mask_p1))
     loss, m = _value_loss(lay.pack(vpred, "vpred"), lay.pack(values, "values"), lay.pack(returns, "returns"),
-                          lay.loss_mask, clip=float(cliprange_value))
+                          lay.loss_mask, clip=_number("cliprange_value", cliprange_value))
     return loss, m["clip_fraction"]

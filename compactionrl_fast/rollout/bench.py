@@ -55,7 +55,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--expert-warmup", type=int, default=0, help="SFT steps on expert demos before timing")
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--load", default=None, help="state_dict file to load into the model (e.g. a SFT checkpoint)")
+    ap.add_argument("--load", default=None, help="the demo's sft_actor.pt to load into the model")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--no-lean", action="store_true", help="use the model's own forward (DynamicCache)")
     args = ap.parse_args(argv)
@@ -64,7 +64,9 @@ def main(argv=None):
     tok = memory_tokenizer()
     model = tiny_llama(len(tok))
     if args.load:
-        model.load_state_dict(torch.load(args.load))
+        from ..train.checkpoint import load_state_dict
+
+        model.load_state_dict(load_state_dict(args.load))  # the demo's sft_actor.pt (checksummed, weights only)
     if args.expert_warmup:
         _sft(model, args.expert_warmup, 16)
     eng = TransformersEngine(model, pad_token_id=tok.pad_token_id, prefix_cache=not args.no_prefix_cache,

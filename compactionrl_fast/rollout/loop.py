@@ -77,15 +77,50 @@ async def _call_all(calls):
     return results
 
 
+def _short(x, n=80) -> str:
+    r = repr(x)
+    return f"{type(x).__name__} {r if len(r) <= n else r[:n] + '...'}"
+
+
+def _step_result(r):
+    """(observation, done, reward, info) of env.step's return value; TypeError if it breaks the protocol."""
+    if not (isinstance(r, (tuple, list)) and len(r) in (3, 4)):
+        raise TypeError(f"env.step must return (observation, done, reward) or (observation, done, reward, info), "
+                        f"got {_short(r)}")
+    obs, done, reward = r[0], r[1], r[2]
+    info = r[3] if len(r) > 3 else None
+    if obs is None and done:
+        obs = ""
+    if not isinstance(obs, str):
+        raise TypeError(f"env.step's observation must be a str (None only when done), got {_short(obs)}")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+        try:
+            reward = float(reward)  # numpy and 0-d tensor scalars
+        except (TypeError, ValueError):
+            raise TypeError(f"env.step's reward must be a number, got {_short(reward)}") from None
+    if info is not None and not isinstance(info, dict):
+        raise TypeError(f"env.step's info must be a dict or None, got {_short(info)}")
+    return obs, bool(done), float(reward), info
+
+
 def _error_text(e: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(e), e)).strip()
 
 
 async def arun_rollouts(engine, envs, tokenizer, config: RolloutConfig | None = None, seeds=None, *, chat=None):
     """Run one rollout per environment to the end; the async form of `run_rollouts`."""
+    if not callable(getattr(engine, "generate", None)):
+        raise TypeError(f"engine must be an Engine with a generate() method, got {type(engine).__name__}")
+    if chat is None and (tokenizer is None or not callable(getattr(tokenizer, "encode", None))):
+        raise TypeError(f"tokenizer must be the policy's Hugging Face tokenizer, got {type(tokenizer).__name__}")
+    if config is not None and not isinstance(config, RolloutConfig):
+        raise TypeError(f"config must be a RolloutConfig, got {type(config).__name__}")
     config = config or RolloutConfig()
     chat = chat or ChatFormat(tokenizer)
     envs = list(envs)
+    for i, e in enumerate(envs):
+        if not (callable(getattr(e, "reset", None)) and callable(getattr(e, "step", None))):
+            raise TypeError(f"envs[{i}] must have reset(seed) and step(action) methods, got {type(e).__name__}")
     seeds = list(range(len(envs))) if seeds is None else list(seeds)
     if len(seeds) != len(envs):
         raise ValueError(f"seeds must have one entry per environment ({len(envs)}), got {len(seeds)}")
@@ -95,12 +130,29 @@ async def arun_rollouts(engine, envs, tokenizer, config: RolloutConfig | None = 
     states = [_State(i, e, s) for i, (e, s) in enumerate(zip(envs, seeds))]
 
     for st, r in zip(states, await _call_all([(st.env.reset, (st.out.seed,)) for st in states])):
+        if not isinstance(r, BaseException) and not (isinstance(r, (tuple, list)) and len(r) == 2
+                                                     and all(isinstance(x, str) for x in r)):
+            r = TypeError(f"env.reset must return (system, task) strings, got {_short(r)}")
         if isinstance(r, BaseException):
             st.out.finish_reason, st.out.reward, st.out.error = "error", float(config.error_reward), _error_text(r)
             st.phase = "finished"
             continue
         st.system, st.task = r
         st.extend(chat.head(st.system, st.task))
+        # the first response needs the prompt, the generation prompt, one token and the end of turn
+        need = len(st.ctx) + len(chat.gen_prompt) + 1 + len(chat.assistant_end)
+        if need > config.budget:
+            raise ValueError(f"config.budget={config.budget} is smaller than rollout {st.key}'s prompt (seed "
+                             f"{st.out.seed}): {len(st.ctx)} tokens of system prompt and task need a budget >= "
+                             f"{need} to sample a response; the context would exceed the budget")
+        if config.max_compactions > 0:  # the context rebuilt around a full-length summary must fit too
+            resumed = len(chat.resume_head(st.system, st.task, [0] * config.summary_cap, config.resume_template))
+            need = resumed + len(chat.gen_prompt) + 1 + len(chat.assistant_end)
+            if need > config.budget:
+                raise ValueError(f"config.budget={config.budget} cannot hold rollout {st.key}'s context after a "
+                                 f"compaction (seed {st.out.seed}): system prompt, task, resume template and a "
+                                 f"summary of summary_max_tokens={config.summary_cap} tokens need a budget >= {need}; "
+                                 "raise the budget or lower summary_max_tokens")
 
     round_idx = 0
     while True:
@@ -157,13 +209,18 @@ def _after_step(st, g, r, chat, config, marker, stops):
     st.extend(g.token_ids, True, g.logprobs)
     st.extend(chat.close_response(g.token_ids))
     action = _action_text(chat, g.token_ids, stops)
+    if not isinstance(r, BaseException):
+        try:
+            r = _step_result(r)
+        except TypeError as e:  # a broken environment ends only its rollout
+            r = e
     if isinstance(r, BaseException):
         st.out.turns.append(Turn(action, "", len(g.token_ids), 0, st.out.compactions))
         st.finish("error", config.error_reward, _error_text(r))
         return
-    obs, done, reward = r[0], bool(r[1]), float(r[2])
-    if len(r) > 3 and r[3]:
-        st.out.info.update(r[3])
+    obs, done, reward, info = r
+    if info:
+        st.out.info.update(info)
     st.env_reward += reward
     content = chat.encode(obs) if (obs or not done) else None
     cut = False

@@ -6,8 +6,11 @@ Every knob is a dataclass field. A config comes from defaults, then a YAML file,
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -25,6 +28,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     dtype: str = "float32"  # training dtype of the weights: float32 | bfloat16
 
+    def __post_init__(self):
+        _raise_problems(problems(self))
+
 
 @dataclass
 class SFTConfig:
@@ -37,6 +43,9 @@ class SFTConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     expert_drop_p: float = 0.55  # the built-in expert's summaries drop the oldest digit this often
+
+    def __post_init__(self):
+        _raise_problems(problems(self))
 
 
 @dataclass
@@ -92,6 +101,9 @@ class TrainConfig:
     env: dict = field(default_factory=dict)  # keyword arguments of the environment
     rollout: dict = field(default_factory=dict)  # keyword arguments of the rollout config
 
+    def __post_init__(self):
+        _raise_problems(problems(self))
+
 
 def demo_config(**overrides) -> TrainConfig:
     """The CPU demo (DEMO-NOTES.md, retuned here): tiny model, SFT warm start on an expert whose summaries
@@ -107,6 +119,155 @@ def demo_config(**overrides) -> TrainConfig:
 
 
 # ----------------------------------------------------------------------------------------------
+# validation: every field's type and range, all bad fields in one error
+
+
+class ConfigError(ValueError):
+    """An invalid config; `problems` lists one line per bad field."""
+
+    def __init__(self, problems: list):
+        self.problems = list(problems)
+        super().__init__("invalid config (" + str(len(self.problems)) + " bad field"
+                         + ("s" if len(self.problems) != 1 else "") + "):\n  " + "\n  ".join(self.problems))
+
+
+def _raise_problems(found: list) -> None:
+    if found:
+        raise ConfigError(found)
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(lo):
+    return lambda v: None if _is_int(v) and v >= lo else f"must be an integer >= {lo}"
+
+
+def _num(lo=None, hi=None, *, open_lo=False):
+    """A finite number in [lo, hi] ((lo, hi] with open_lo)."""
+    def check(v):
+        if _is_num(v) and (lo is None or (v > lo if open_lo else v >= lo)) and (hi is None or v <= hi):
+            return None
+        lo_s = "-inf" if lo is None else lo
+        return f"must be a finite number in {'(' if open_lo else '['}{lo_s}, {'inf)' if hi is None else str(hi) + ']'}"
+    return check
+
+
+def _opt(check, what="None"):
+    return lambda v: None if v is None else (None if check(v) is None else f"must be {what} or {check(v)[8:]}")
+
+
+def _choice(*choices):
+    return lambda v: None if isinstance(v, str) and v in choices else f"must be one of {list(choices)}"
+
+
+def _bool(v):
+    return None if isinstance(v, bool) else "must be true or false"
+
+
+def _str(v):
+    return None if isinstance(v, str) and v else "must be a non-empty string"
+
+
+def _betas(v):
+    ok = isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_num(b) and 0 <= b < 1 for b in v)
+    return None if ok else "must be two numbers in [0, 1), e.g. [0.9, 0.999]"
+
+
+def _lam(v):
+    return None if v == "adaptive" or (_is_num(v) and 0 <= v <= 1) else "must be 'adaptive' or a number in [0, 1]"
+
+
+def _threads(v):
+    return None if v == "auto" or (_is_int(v) and v >= 0) else "must be 'auto' or an integer >= 0"
+
+
+def _is_plain(v):
+    """Data a checkpoint can hold (it stores the config): str, numbers, bools, None, lists and mappings."""
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _is_plain(x) for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return all(_is_plain(x) for x in v)
+    return v is None or type(v) in (str, int, float, bool)
+
+
+def _mapping(v):
+    if not (isinstance(v, dict) and all(isinstance(k, str) for k in v)):
+        return "must be a mapping of names"
+    return None if _is_plain(v) else "values must be plain data (str, numbers, booleans, None, lists, mappings)"
+
+
+def _dtype(v):
+    if v == "float16":
+        return ("float16 is not supported: its range overflows in the sampler's softmax and gives NaN "
+                "probabilities; use bfloat16 (same memory) or float32")
+    return _choice("float32", "bfloat16")(v)
+
+
+CHECKS = {
+    "ModelConfig": dict(pretrained=_opt(_str), arch=_choice("llama", "qwen2"), hidden_size=_int(1), num_layers=_int(1),
+                        num_heads=_int(1), intermediate_size=_int(1), max_positions=_int(1), tie_embeddings=_bool,
+                        dtype=_dtype),
+    "SFTConfig": dict(steps=_int(0), rollouts_per_step=_int(1), lr=_num(0), warmup_steps=_int(0),
+                      min_lr_ratio=_num(0, 1), weight_decay=_num(0), max_grad_norm=_opt(_num(0, open_lo=True)),
+                      expert_drop_p=_num(0, 1)),
+    "TrainConfig": dict(
+        seed=_int(0), run_dir=_str, device=_choice("auto", "cpu", "cuda"), threads=_threads,
+        rollouts_per_step=_int(1), group_size=_int(1), micro_batch_tokens=_int(1), steps=_int(0),
+        value_pretrain_steps=_int(0), critic_updates_per_step=_int(0), ppo_epochs=_int(1), ppo_minibatches=_int(1),
+        actor_lr=_num(0), critic_lr=_num(0), adam_betas=_betas, adam_eps=_num(0, open_lo=True), weight_decay=_num(0),
+        max_grad_norm=_opt(_num(0, open_lo=True)), gamma=_num(0, 1), lam=_lam, adaptive_alpha=_num(0, open_lo=True),
+        adaptive_length=_choice("rollout", "segment"), lam_critic=_opt(_num(0, 1)),
+        cross_segment=_choice("paper", "none", "stitched"), clip_low=_num(0, 1), clip_high=_num(0),
+        dual_clip=_opt(_num(1, open_lo=True)), tis_cap=_opt(_num(0, open_lo=True)),
+        value_clip=_opt(_num(0, open_lo=True)),
+        loss_reduction=_choice("token-mean", "segment-mean", "rollout-mean", "sum"), train_summary_tokens=_bool,
+        temperature=_num(0, open_lo=True), log_every=_int(1), gap_every=_int(0), eval_every=_int(0),
+        eval_rollouts=_int(1), checkpoint_every=_int(0), progress=_bool, env=_mapping, rollout=_mapping),
+}
+
+
+def problems(cfg, prefix: str = "") -> list:
+    """One line per bad field of dataclass config `cfg` (nested sections included): "name=value: why"."""
+    out = []
+    checks = CHECKS.get(type(cfg).__name__, {})
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            out += problems(v, prefix + f.name + ".")
+            continue
+        why = checks[f.name](v) if f.name in checks else None
+        if why:
+            out.append(f"{prefix}{f.name}={v!r}: {why}")
+    if isinstance(cfg, ModelConfig) and _is_int(cfg.hidden_size) and _is_int(cfg.num_heads) and cfg.num_heads > 0 \
+            and cfg.hidden_size % cfg.num_heads:
+        out.append(f"{prefix}hidden_size={cfg.hidden_size!r}: must be divisible by num_heads={cfg.num_heads}")
+    if isinstance(cfg, TrainConfig):
+        if _is_int(cfg.rollouts_per_step) and _is_int(cfg.group_size) and cfg.group_size > 0 \
+                and cfg.rollouts_per_step % cfg.group_size:
+            out.append(f"{prefix}group_size={cfg.group_size!r}: must divide rollouts_per_step={cfg.rollouts_per_step}")
+        if isinstance(cfg.rollout, dict) and all(isinstance(k, str) for k in cfg.rollout):
+            from ..rollout.config import RolloutConfig
+
+            try:
+                RolloutConfig().replace(**cfg.rollout)
+            except (TypeError, ValueError) as e:
+                out.append(f"{prefix}rollout={cfg.rollout!r}: {e}")
+    return out
+
+
+def validate(cfg):
+    """`cfg` if every field is valid, else ConfigError listing every bad field."""
+    _raise_problems(problems(cfg))
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
 # loading
 
 
@@ -114,12 +275,21 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+_EXP_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")  # "1e-4": YAML 1.1 reads it as a string
+
+
 def _coerce(value, default):
     """Parse a CLI/YAML value to the type of the field's default where it is clear."""
     if isinstance(value, str):
         import yaml
 
-        value = yaml.safe_load(value) if value != "" else value
+        if _EXP_FLOAT.match(value.strip()):
+            value = float(value)
+        else:
+            try:
+                value = yaml.safe_load(value) if value != "" else value
+            except yaml.YAMLError:
+                pass  # kept as the string; validation names the field
     if isinstance(default, tuple) and isinstance(value, list):
         return tuple(value)
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
@@ -127,31 +297,50 @@ def _coerce(value, default):
     return value
 
 
-def update(cfg, values: dict):
-    """Return a copy of dataclass `cfg` with `values` applied; keys may be dotted ("sft.lr")."""
-    out = dataclasses.replace(cfg)
+def _apply(cfg, values: dict, found: list, prefix: str = ""):
+    """A copy of dataclass `cfg` with `values` applied, without validation; unknown keys go to `found`."""
+    out = copy.copy(cfg)
+    if not isinstance(values, dict):
+        found.append(f"{prefix or 'config'}: expected a mapping of field names, got {type(values).__name__}")
+        return out
     for key, value in values.items():
-        head, _, rest = key.replace("-", "_").partition(".")
+        head, _, rest = str(key).replace("-", "_").partition(".")
         names = {f.name for f in dataclasses.fields(out)}
         if head not in names:
-            raise ValueError(f"unknown config key {key!r}; known: {sorted(names)}")
+            found.append(f"unknown config key {prefix + str(key)!r}; known: {sorted(names)}")
+            continue
         cur = getattr(out, head)
         if dataclasses.is_dataclass(cur):
             sub = value if not rest else {rest: value}
             if not isinstance(sub, dict):
-                raise ValueError(f"config key {key!r} is a section; give a mapping or a dotted key")
-            setattr(out, head, update(cur, sub))
+                found.append(f"config key {prefix + str(key)!r} is a section; give a mapping or a dotted key")
+                continue
+            setattr(out, head, _apply(cur, sub, found, prefix + head + "."))
         elif isinstance(cur, dict):
             new = dict(cur)
             if rest:
                 new[rest] = _coerce(value, new.get(rest))
-            else:
+            elif isinstance(value, dict):
                 new.update(value)
+            else:
+                found.append(f"config key {prefix + str(key)!r} is a mapping; give a mapping or a dotted key")
+                continue
             setattr(out, head, new)
         else:
             if rest:
-                raise ValueError(f"config key {key!r}: {head} is not a section")
+                found.append(f"config key {prefix + str(key)!r}: {head} is not a section")
+                continue
             setattr(out, head, _coerce(value, cur))
+    return out
+
+
+def update(cfg, values: dict):
+    """Return a copy of dataclass `cfg` with `values` applied; keys may be dotted ("sft.lr").
+
+    Raises ConfigError (a ValueError) listing every unknown key and every bad field at once."""
+    found = []
+    out = _apply(cfg, values, found)
+    _raise_problems(found + problems(out))
     return out
 
 
@@ -180,19 +369,23 @@ def add_arguments(parser: argparse.ArgumentParser, base: TrainConfig) -> None:
 
 
 def from_args(args: argparse.Namespace, base: TrainConfig) -> TrainConfig:
-    """Defaults < YAML file < flags < --set."""
+    """Defaults < YAML file < flags < --set, validated once at the end (ConfigError lists every bad field)."""
+    found = []
     cfg = base
     if getattr(args, "config", None):
-        cfg = update(cfg, load_yaml(args.config))
+        cfg = _apply(cfg, load_yaml(args.config), found)
     flags = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
-    cfg = update(cfg, flags)
+    cfg = _apply(cfg, flags, found)
     sets = {}
     for item in getattr(args, "set", None) or []:
         key, eq, value = item.partition("=")
         if not eq:
-            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+            found.append(f"--set expects KEY=VALUE, got {item!r}")
+            continue
         sets[key.strip()] = value
-    return update(cfg, sets)
+    cfg = _apply(cfg, sets, found)
+    _raise_problems(found + problems(cfg))
+    return cfg
 
 
 def dumps(cfg) -> str:

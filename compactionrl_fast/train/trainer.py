@@ -25,8 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _io
 from . import checkpoint, diagnostics
-from .config import TrainConfig, to_dict
+from .config import TrainConfig, to_dict, validate
 from .model import action_index, actor_logprobs, critic_hidden
 from .threads import maybe_step
 
@@ -87,6 +88,7 @@ class State:
 
 
 def make_state(cfg: TrainConfig, actor, critic, group=None) -> State:
+    validate(cfg)  # a config changed field by field after it was built
     adam = dict(betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     return State(cfg, actor, critic, torch.optim.Adam(actor.parameters(), lr=cfg.actor_lr, **adam),
                  torch.optim.Adam(critic.parameters(), lr=cfg.critic_lr, **adam), group=group)
@@ -357,6 +359,20 @@ def rollout_metrics(rollouts: list, prefix: str = "") -> dict:
     return {prefix + k: v for k, v in out.items()}
 
 
+def read_rows(path: str) -> list:
+    """The rows of a metrics.jsonl, skipping lines that do not parse (a write cut by a kill)."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
 class MetricsLog:
     """JSON lines in run_dir/metrics.jsonl (rank 0), and TensorBoard scalars when it is installed."""
 
@@ -367,11 +383,11 @@ class MetricsLog:
         if self.rank != 0:
             return
         os.makedirs(run_dir, exist_ok=True)
+        _io.remove_stale_temps(run_dir)  # temporary files of a run killed mid-write
         if resume_step is not None and os.path.isfile(self.path):
-            # drop rows logged after the checkpoint: those steps are redone
-            rows = [ln for ln in open(self.path) if ln.strip() and json.loads(ln).get("step", -1) < resume_step]
-            with open(self.path, "w") as f:
-                f.writelines(rows)
+            # drop rows logged after the checkpoint (those steps are redone) and a line cut by a kill
+            rows = [json.dumps(r) + "\n" for r in read_rows(self.path) if r.get("step", -1) < resume_step]
+            _io.write_text(self.path, "".join(rows))
         elif os.path.isfile(self.path):
             os.remove(self.path)
         if tensorboard:
@@ -386,8 +402,18 @@ class MetricsLog:
         if self.rank != 0:
             return
         row = {"step": step, **diagnostics.finite(metrics)}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        line = json.dumps(row) + "\n"
+        with open(self.path, "a") as f:  # one line appended and synced; a line cut by a kill is dropped on resume
+            size = f.tell()
+            try:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as e:
+                f.truncate(size)  # no partial line left behind
+                if _io.is_no_space(e):
+                    raise OSError(e.errno, f"no space left on device while writing {self.path}") from e
+                raise
         if self.tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):

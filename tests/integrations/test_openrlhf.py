@@ -143,3 +143,17 @@ def test_restated_gae_equals_real_openrlhf(openrlhf_loss):
     want_adv, want_ret = peers.openrlhf_gae(values, rewards, mask, 0.99, 0.95)
     torch.testing.assert_close(adv, want_adv)
     torch.testing.assert_close(ret, want_ret)
+
+
+def test_scalar_arguments_are_checked_by_name():
+    x = torch.randn(2, 5)
+    with pytest.raises(TypeError, match="gamma must be a number, got str 'abc'"):
+        O.get_advantages_and_returns(x, x, None, "abc", 0.95)
+    with pytest.raises(TypeError, match="lambd must be a number"):
+        O.get_advantages_and_returns(x, x, None, 1.0, [0.9])
+    with pytest.raises(TypeError, match="clip_eps_low must be a number"):
+        O.PolicyLoss(clip_eps_low=None)
+    with pytest.raises(TypeError, match="dual_clip must be a number"):
+        O.PolicyLoss(dual_clip="3")
+    with pytest.raises(TypeError, match="clip_eps must be a number"):
+        O.ValueLoss(clip_eps="0.2")

@@ -92,3 +92,17 @@ def test_restated_whitening_equals_real_trl():
     _, values, pm, _, _ = _trl_batch(seed=2)
     real = ppo.masked_whiten(values.double(), ~pm)
     torch.testing.assert_close(torch.where(pm, 0.0, real), torch.where(pm, 0.0, peers.whiten(values.double(), ~pm)))
+
+
+def test_scalar_arguments_are_checked_by_name():
+    B, L = 2, 5
+    x = torch.randn(B, L)
+    pad = torch.zeros(B, L, dtype=torch.bool)
+    with pytest.raises(TypeError, match="cliprange_value must be a number, got NoneType"):
+        T.value_loss(x, x, x, pad, None)
+    with pytest.raises(TypeError, match="cliprange must be a number, got str"):
+        T.policy_loss(x, x, x, pad, "0.2")
+    with pytest.raises(TypeError, match="gamma must be a number"):
+        T.compute_advantages(x, x, pad, pad, "abc", 0.95)
+    with pytest.raises(TypeError, match="lam must be a number"):
+        T.compute_advantages(x, x, pad, pad, 1.0, None)

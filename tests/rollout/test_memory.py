@@ -38,6 +38,12 @@ def test_env_knobs_and_determinism():
     assert sum(o.startswith("none") for o in obs_a) == 3 and obs_a[-1] == "done"
     with pytest.raises(ValueError, match="n_digits"):
         MemoryEnv(n_digits=10)
+    with pytest.raises(TypeError, match="n_digits must be an integer, got str 'abc'"):
+        MemoryEnv(n_digits="abc")
+    with pytest.raises(ValueError, match="n_fillers must be in 0..inf, got -1"):
+        MemoryEnv(n_fillers=-1)
+    with pytest.raises(TypeError, match="n_blank must be an integer"):
+        MemoryEnv(n_blank=1.5)
 
 
 def test_expert_solves_it_and_compacts_twice():

@@ -57,7 +57,8 @@ def tiny_rollouts(n, seed=0, drop_oldest_p=0.5, n_digits=3, n_fillers=4):
 
 
 def tiny_train_config(run_dir, **kw):
-    """A TrainConfig for seconds-long loops: tiny model, 3-digit task with budget 64 (two compactions)."""
+    """A TrainConfig for seconds-long loops: tiny model, 3-digit task with budget 64 (two compactions),
+    truncated rollouts rewarded -1."""
     from compactionrl_fast.train.config import SFTConfig, TrainConfig
 
     base = dict(run_dir=str(run_dir), rollouts_per_step=4, value_pretrain_steps=1, steps=2, actor_lr=1e-3,
@@ -65,6 +66,9 @@ def tiny_train_config(run_dir, **kw):
                 model=ModelConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_positions=128),
                 sft=SFTConfig(steps=2, rollouts_per_step=2, warmup_steps=1),
                 env=dict(n_digits=3, n_fillers=4),
-                rollout=dict(budget=64, compact_threshold=20, max_response_tokens=6, summary_max_tokens=6))
+                # an untrained model's rollouts end truncated: reward -1 there gives nonzero advantages and
+                # gradients, so every step moves the weights
+                rollout=dict(budget=64, compact_threshold=20, max_response_tokens=6, summary_max_tokens=6,
+                             truncated_reward=-1.0))
     base.update(kw)
     return TrainConfig(**base)

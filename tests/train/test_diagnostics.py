@@ -1,9 +1,8 @@
-"""Diagnostics against hand counts, the reference GAE helpers and segment_gae itself."""
+"""Diagnostics against hand counts, hand examples and the float64 reference GAE."""
 import math
 
 import torch
 
-from compactionrl_fast import segment_gae
 from compactionrl_fast.reference.gae import power, segment_lambdas
 from compactionrl_fast.train import diagnostics as D
 from compactionrl_fast.train.config import TrainConfig
@@ -55,13 +54,28 @@ def test_advantage_gap_is_zero_without_compaction_and_not_with_it():
     v = torch.randn(multi.loss_mask.numel())
     g = D.advantage_gap(multi, v, TrainConfig())
     assert g["gap_abs_mean"] > 1e-3 and math.isfinite(g["gap_corr"])
-    # the gap is computed from segment_gae itself
-    from compactionrl_fast import place_final_rewards
+    # against the paper's and the stitched advantages of the float64 reference, called directly
+    from compactionrl_fast.reference import place_final_rewards as ref_place, segment_gae as ref_gae
 
-    a = segment_gae(place_final_rewards(multi.rollout_rewards, multi.loss_mask, multi.cu_seqlens, multi.cu_segments),
-                    v, multi.loss_mask, multi.cu_seqlens, multi.cu_segments)[0]
-    s = segment_gae(place_final_rewards(multi.rollout_rewards, multi.loss_mask, multi.cu_seqlens, multi.cu_segments,
-                                        mode="stitched"),
-                    v, multi.loss_mask, multi.cu_seqlens, multi.cu_segments, cross_segment="stitched")[0]
     m = multi.loss_mask
-    assert abs(g["gap_abs_mean"] - float((a - s)[m].abs().mean())) < 1e-6
+    a, s = (ref_gae(ref_place(multi.rollout_rewards, m, multi.cu_seqlens, multi.cu_segments, mode=mode), v, m,
+                    multi.cu_seqlens, multi.cu_segments, cross_segment=mode)[0][m] for mode in ("paper", "stitched"))
+    assert abs(g["gap_abs_mean"] - float((a - s).abs().mean())) < 1e-6
+    assert abs(g["gap_rel"] - float((a - s).abs().mean() / s.abs().mean())) < 1e-5
+    assert g["sign_agreement"] == float(((a > 0) == (s > 0)).double().mean())
+
+
+def test_advantage_gap_on_a_hand_example():
+    """One rollout, an exec and a summary segment with one trainable token each; reward 1, values 0.5 and
+    0.25, gamma 1, lambda 0.5. Paper: rewards on both tokens, A = (1 - 0.5) * 0.5^1 = 0.25 and 1 - 0.25 = 0.75.
+    Stitched: reward on the last token only, A1 = 0.75, A0 = (0.25 - 0.5) + 0.5 * 0.75 = 0.125."""
+    from types import SimpleNamespace
+
+    b = SimpleNamespace(loss_mask=torch.tensor([False, True, False, True]), cu_seqlens=torch.tensor([0, 2, 4]),
+                        cu_segments=torch.tensor([0, 2]), segment_kind=torch.tensor([0, 1], dtype=torch.int8),
+                        rollout_rewards=torch.tensor([1.0]))
+    g = D.advantage_gap(b, torch.tensor([0.0, 0.5, 0.0, 0.25]), TrainConfig(gamma=1.0, lam=0.5))
+    assert abs(g["gap_abs_mean"] - 0.0625) < 1e-7  # (|0.25 - 0.125| + |0.75 - 0.75|) / 2
+    assert abs(g["gap_rel"] - 0.0625 / 0.4375) < 1e-6
+    assert abs(g["gap_exec_abs_mean"] - 0.125) < 1e-7 and abs(g["gap_summary_abs_mean"]) < 1e-7
+    assert g["sign_agreement"] == 1.0

@@ -11,7 +11,8 @@ TINY = ["--set", "model.hidden_size=16", "--set", "model.num_layers=1", "--set",
         "--set", "model.intermediate_size=32", "--set", "sft.steps=2", "--set", "sft.rollouts_per_step=2",
         "--set", "env.n_digits=3", "--set", "env.n_fillers=4", "--set", "rollout.budget=64",
         "--set", "rollout.compact_threshold=20", "--set", "rollout.max_response_tokens=6",
-        "--set", "rollout.summary_max_tokens=6", "--rollouts-per-step", "4", "--value-pretrain-steps", "1",
+        "--set", "rollout.summary_max_tokens=6", "--set", "rollout.truncated_reward=-1",
+        "--rollouts-per-step", "4", "--value-pretrain-steps", "1",
         "--steps", "2", "--gap-every", "2", "--threads", "0", "--progress", "false"]
 
 
@@ -28,6 +29,7 @@ def test_train_and_plot_commands(tmp_path):
         assert key in rows[1], key
     assert "gap_abs_mean" in rows[0] and "gap_abs_mean" not in rows[1]  # every gap_every steps
     assert os.path.isfile(os.path.join(run, "checkpoint.pt"))
+    _assert_training_moved_the_state(run)
     assert os.path.isfile(os.path.join(run, "actor", "config.json"))
     assert os.path.isfile(os.path.join(run, "sft", "metrics.jsonl"))
     assert cli.main(["plot", run]) == 0
@@ -35,6 +37,31 @@ def test_train_and_plot_commands(tmp_path):
     # a finished run resumes to a no-op
     assert cli.main(["train", "--run-dir", run, *TINY]) == 0
     assert len(open(os.path.join(run, "metrics.jsonl")).readlines()) == 3
+
+
+def _assert_training_moved_the_state(run):
+    """SFT moved the initial weights; RL moved the SFT weights; the critic's value head (zero at start) and
+    both optimisers' moments are nonzero."""
+    import torch
+
+    from compactionrl_fast.train import checkpoint
+    from compactionrl_fast.train.config import from_dict
+
+    cfg = from_dict(json.load(open(os.path.join(run, "config.json"))))
+    tok, _, _ = demo.task(cfg)
+    init = demo.build(cfg, tok).state_dict()
+    sft = checkpoint.load_state_dict(os.path.join(run, "sft_actor.pt"))
+    final = checkpoint.read(os.path.join(run, "checkpoint.pt"))
+    actor = final["models"]["actor"]
+    assert init.keys() == sft.keys() == actor.keys()
+    for k in init:  # every tensor gets a gradient in SFT and in PPO (tied embeddings included)
+        assert not torch.equal(init[k], sft[k]), f"SFT left {k} unchanged"
+        assert not torch.equal(sft[k], actor[k]), f"RL left {k} unchanged"
+    critic = final["models"]["critic"]
+    assert float(critic["weight"].abs().max()) > 0 and float(critic["bias"].abs().max()) > 0
+    for name in ("actor", "critic"):
+        state = final["optimizers"][name]["state"]
+        assert state and all(float(s["exp_avg"].abs().max()) > 0 and int(s["step"]) > 0 for s in state.values())
 
 
 def test_demo_protocol_writes_results(tmp_path):

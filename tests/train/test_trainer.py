@@ -1,9 +1,9 @@
 """One trainer step on hand-made batches: directions, micro-batch exactness, the ablation mask."""
 import copy
 
+import pytest
 import torch
 
-from compactionrl_fast import segment_gae
 from compactionrl_fast.train.config import TrainConfig
 from compactionrl_fast.train.model import action_index, actor_logprobs, critic_values
 from compactionrl_fast.train.trainer import advantages, make_state, policy_mask, train_step
@@ -85,18 +85,30 @@ def test_ablation_takes_summary_tokens_out_of_the_policy_loss_only():
         torch.testing.assert_close(v, before[k], atol=0, rtol=0)
 
 
-def test_advantages_use_segment_gae_with_the_config():
-    b = hand_batch()
-    values = torch.randn(b.loss_mask.numel())
-    for mode in ("paper", "none", "stitched"):
-        cfg = TrainConfig(cross_segment=mode)
-        adv, ret = advantages(b, values, cfg)
-        from compactionrl_fast import place_final_rewards
+@pytest.mark.parametrize("cfg", [
+    dict(cross_segment="paper"), dict(cross_segment="none"), dict(cross_segment="stitched"),
+    dict(gamma=0.97, lam="adaptive", adaptive_alpha=2.5, adaptive_length="segment", lam_critic=0.9),
+    dict(gamma=0.99, lam=0.8, lam_critic=None, cross_segment="paper"),
+])
+def test_advantages_equal_the_reference_with_every_config_knob(cfg):
+    """trainer.advantages against the float64 reference called directly, with the config's knobs spelled out
+    (a trainer that dropped gamma, lam, alpha, adaptive_length, lam_critic or the reward mode fails here)."""
+    from compactionrl_fast.reference import place_final_rewards as ref_place, segment_gae as ref_gae
 
-        rew = place_final_rewards(b.rollout_rewards, b.loss_mask, b.cu_seqlens, b.cu_segments,
-                                  mode="stitched" if mode == "stitched" else "paper")
-        ref_adv, ref_ret = segment_gae(rew, values, b.loss_mask, b.cu_seqlens, b.cu_segments, cross_segment=mode)
-        assert torch.equal(adv, ref_adv) and torch.equal(ret, ref_ret)
+    b = hand_batch(rollouts=((9, 5, 6), (12,), (7, 4, 10, 6)))
+    values = torch.randn(b.loss_mask.numel(), generator=torch.Generator().manual_seed(3))
+    c = TrainConfig(**cfg)
+    adv, ret = advantages(b, values, c)
+    mode = "stitched" if c.cross_segment == "stitched" else "paper"
+    rew = ref_place(b.rollout_rewards, b.loss_mask, b.cu_seqlens, b.cu_segments, mode=mode)
+    ref_adv, ref_ret = ref_gae(rew, values, b.loss_mask, b.cu_seqlens, b.cu_segments, gamma=cfg.get("gamma", 1.0),
+                               lam=cfg.get("lam", "adaptive"), cross_segment=cfg.get("cross_segment", "paper"),
+                               lam_critic=cfg.get("lam_critic", 1.0), adaptive_alpha=cfg.get("adaptive_alpha", 1.5),
+                               adaptive_length=cfg.get("adaptive_length", "rollout"))
+    m = b.loss_mask
+    assert bool((ref_adv[m] != 0).all())
+    torch.testing.assert_close(adv.double()[m], ref_adv[m], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret.double()[m], ref_ret[m], atol=1e-5, rtol=1e-5)
 
 
 def test_ppo_epochs_and_minibatches_use_frozen_old_logprobs():

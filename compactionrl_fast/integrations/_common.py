@@ -35,3 +35,10 @@ def denominator_from(count, dp_size):
     if isinstance(count, torch.Tensor):
         return count.detach().double().reshape(()) / dp_size
     return float(count) / dp_size
+
+
+def masked_mean(x, mask):
+    """Mean of `x` over the True positions of `mask` (float64; 0 when there is none). Masked positions are
+    never read into the sum (a NaN in padding does not reach it)."""
+    n = torch.count_nonzero(mask)
+    return torch.where(mask, x.double(), 0.0).sum() / n.clamp(min=1)

@@ -10,14 +10,19 @@ differentiable, so per-token log-probs with gradients can go through them.
 
 Packing only trainable tokens loses nothing for the ops of this package: GAE skips observation tokens
 (they are not steps) and the losses ignore them.
+
+The adapters themselves do not pack: the ops read the padded batch flattened to `[B*L]` (no copy), each
+row a segment, and a `RowTable` (built on the host in O(B) from the rollout ids, cached per batch) tells
+`segment_gae` where each rollout's rows sit (`seg_start`). Outputs are written straight into `[B, L]`.
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 import torch
 
-from ..ops._validate import INDEX_DTYPES, check_tensor
+from ..ops._validate import INDEX_DTYPES, check_tensor, value_checks
 
 
 @dataclass(frozen=True)
@@ -76,12 +81,26 @@ def _as_list(name, x, B):
     return x
 
 
+def _check_positions(rank_of_row, pos):
+    """segment_index must number each rollout's rows 0, 1, ..., n-1 (in any row order)."""
+    seen = {}
+    for r, p in zip(rank_of_row, pos):
+        seen.setdefault(r, set())
+        if p in seen[r]:
+            raise ValueError(f"segment_index has a repeated position {p} inside one rollout")
+        seen[r].add(p)
+    for r, ps in seen.items():
+        if ps != set(range(len(ps))):
+            raise ValueError(f"segment_index must number the rows of each rollout 0..n-1, got {sorted(ps)} "
+                             "for one rollout")
+
+
 def as_bool_mask(name, mask, ndim=2):
     """A 0/1 mask of any dtype (verl and OpenRLHF keep int or float masks) as bool."""
     check_tensor(name, mask, ndim=ndim)
     if mask.dtype == torch.bool:
         return mask
-    if mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
+    if mask.numel() and value_checks(mask) and bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError(f"{name} must hold only 0 and 1")
     return mask != 0
 
@@ -132,8 +151,7 @@ def packed_layout(response_mask, rollout_ids=None, *, segment_index=None, keep=N
         pos = _as_list("segment_index", segment_index, B)
         if not all(isinstance(p, int) and not isinstance(p, bool) for p in pos):
             raise TypeError("segment_index must hold integers")
-        if len(set(zip(rank_of_row, pos))) != B:
-            raise ValueError("segment_index has a repeated position inside one rollout")
+        _check_positions(rank_of_row, pos)
     order = sorted(range(B), key=lambda b: (rank_of_row[b], pos[b]))
 
     order_t = torch.tensor(order, dtype=torch.int64, device=device)
@@ -149,6 +167,92 @@ def packed_layout(response_mask, rollout_ids=None, *, segment_index=None, keep=N
                         order=order_t, shape=(B, L))
 
 
+@dataclass(frozen=True)
+class RowTable:
+    """Rows of a padded `[B, L]` batch as segments of the flattened `[B*L]` tensors (no token moves).
+
+    Attributes:
+        cu_seqlens: [B+1] int64, L * arange(B+1): segment i is L tokens (row `order[i]`).
+        cu_segments: [R+1] int64 segment offsets of the R rollouts (segments in chronological order).
+        seg_start: [B] int64 flat start of each segment's row, `L * order`; None when `order` is 0..B-1.
+        rows: [B+1] int64, L * arange(B+1): one segment per row in memory order (for the losses).
+        order: the rows in segment order (a tuple of ints).
+    """
+
+    cu_seqlens: torch.Tensor
+    cu_segments: torch.Tensor
+    seg_start: torch.Tensor | None
+    rows: torch.Tensor
+    order: tuple
+
+
+_TABLES: collections.OrderedDict = collections.OrderedDict()  # a few recent batches: GAE, losses reuse them
+_TABLES_MAX = 8
+
+
+def _key(x):
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return ("t", x.device.type, tuple(x.tolist()) if x.dim() == 1 else id(x))
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    try:
+        return tuple(x)
+    except TypeError:
+        return ("id", id(x))
+
+
+def row_table(B, L, rollout_ids=None, segment_index=None, device="cpu") -> RowTable:
+    """The `RowTable` of a padded batch (see `packed_layout` for `rollout_ids` / `segment_index`). Built
+    in O(B) on the host, validated there, and cached for the next calls with the same batch layout."""
+    key = (B, L, str(device), _key(rollout_ids), _key(segment_index))
+    try:
+        hit = _TABLES.get(key)
+    except TypeError:  # unhashable ids: build without the cache
+        key, hit = None, None
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit
+    ids = list(range(B)) if rollout_ids is None else _as_list("rollout_ids", rollout_ids, B)
+    rank = {}
+    for i in ids:  # rollouts numbered by first appearance
+        rank.setdefault(i, len(rank))
+    rank_of_row = [rank[i] for i in ids]
+    if segment_index is None:
+        pos = list(range(B))
+    else:
+        pos = _as_list("segment_index", segment_index, B)
+        if not all(isinstance(p, int) and not isinstance(p, bool) for p in pos):
+            raise TypeError("segment_index must hold integers")
+        _check_positions(rank_of_row, pos)
+    order = tuple(sorted(range(B), key=lambda b: (rank_of_row[b], pos[b])))
+    per_rollout = [0] * len(rank)
+    for r in rank_of_row:
+        per_rollout[r] += 1
+    cu_segments = [0]
+    for n in per_rollout:
+        cu_segments.append(cu_segments[-1] + n)
+    rows = torch.arange(0, (B + 1) * L, L, dtype=torch.int64) if L else torch.zeros(B + 1, dtype=torch.int64)
+    identity = order == tuple(range(B))
+    table = RowTable(cu_seqlens=rows.to(device), cu_segments=torch.tensor(cu_segments, dtype=torch.int64).to(device),
+                     seg_start=None if identity else (torch.tensor(order, dtype=torch.int64) * L).to(device),
+                     rows=rows.to(device), order=order)
+    if key is not None:
+        _TABLES[key] = table
+        if len(_TABLES) > _TABLES_MAX:
+            _TABLES.popitem(last=False)
+    return table
+
+
+def flat(name, x, B, L):
+    """A `[B, L]` tensor as `[B*L]` (a view when contiguous), with a clear error for another shape."""
+    check_tensor(name, x)
+    if tuple(x.shape) != (B, L):
+        raise ValueError(f"{name} must have shape [B, L] = [{B}, {L}] (as response_mask), got {tuple(x.shape)}")
+    return x.reshape(B * L)
+
+
 def segment_gae_padded(token_rewards, values, response_mask, rollout_ids=None, *, segment_index=None,
                        **gae_kwargs):
     """`compactionrl_fast.segment_gae` on a padded batch: (advantages [B, L], returns [B, L]) float32.
@@ -157,11 +261,17 @@ def segment_gae_padded(token_rewards, values, response_mask, rollout_ids=None, *
         token_rewards, values: [B, L] float, read at trainable positions only.
         response_mask, rollout_ids, segment_index: as in `packed_layout`.
         gae_kwargs: keyword arguments of `segment_gae` (gamma, lam, cross_segment, lam_critic, ...).
-    Positions that are not trainable get 0.
+    Positions that are not trainable get 0. The rows are read in place (each row one segment, placed by
+    `row_table`), so no token is packed or unpacked; the numbers are those of the op on the packed batch.
     """
     from ..ops import segment_gae
+    from ..ops._validate import trusted_layout
 
-    lay = packed_layout(response_mask, rollout_ids, segment_index=segment_index)
-    adv, ret = segment_gae(lay.pack(token_rewards, "token_rewards"), lay.pack(values, "values"), lay.loss_mask,
-                           lay.cu_seqlens, lay.cu_segments, **gae_kwargs)
-    return lay.unpack(adv), lay.unpack(ret)
+    mask = as_bool_mask("response_mask", response_mask)
+    B, L = mask.shape
+    table = row_table(B, L, rollout_ids, segment_index, mask.device)
+    with trusted_layout():
+        adv, ret = segment_gae(flat("token_rewards", token_rewards, B, L), flat("values", values, B, L),
+                               mask.reshape(B * L), table.cu_seqlens, table.cu_segments, seg_start=table.seg_start,
+                               **gae_kwargs)
+    return adv.view(B, L), ret.view(B, L)

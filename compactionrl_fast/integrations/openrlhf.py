@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from ..ops import ppo_policy_loss, value_loss
-from ._common import denominator_from
-from .layout import as_bool_mask, packed_layout, segment_gae_padded
+from ..ops._validate import trusted_layout
+from ._common import denominator_from, masked_mean
+from .layout import as_bool_mask, flat, row_table, segment_gae_padded
 
 
 def _number(name, x):
@@ -61,9 +62,9 @@ def _reduction(token_level_loss, dp_size, batch_num_tokens, global_batch_size):
     return "segment-mean", denominator_from(global_batch_size, dp_size)
 
 
-def _masked_mean(x, mask):
-    n = mask.sum()
-    return torch.where(n > 0, (x * mask).sum() / n.clamp(min=1), 0.0)
+def _rows(reduction, B, L, device):
+    """One segment per row of the flattened [B*L] batch, where the reduction needs segments."""
+    return row_table(B, L, device=device).rows if reduction == "segment-mean" else None
 
 
 class PolicyLoss(nn.Module):
@@ -101,25 +102,27 @@ class PolicyLoss(nn.Module):
         if action_mask is None:
             action_mask = torch.ones(log_probs.shape, dtype=torch.bool, device=log_probs.device)
         mask = as_bool_mask("action_mask", action_mask)
-        lay = packed_layout(mask)
+        B, L = mask.shape
+        m_flat = mask.reshape(B * L)
         reduction, denom = _reduction(self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
-        logp, old = lay.pack(log_probs, "log_probs"), lay.pack(old_log_probs, "old_log_probs")
+        logp, old = flat("log_probs", log_probs, B, L), flat("old_log_probs", old_log_probs, B, L)
         roll = None
         if self.tis_cap is not None:
             if rollout_log_probs is None:
                 raise ValueError("rollout_log_probs is required when is_correction_level != 'off'")
-            roll = lay.pack(rollout_log_probs, "rollout_log_probs")
-        loss, m = ppo_policy_loss(logp, old, lay.pack(advantages, "advantages"), lay.loss_mask,
-                                  cu_seqlens=lay.cu_seqlens, clip_low=self.clip_eps_low, clip_high=self.clip_eps_high,
-                                  dual_clip=self.dual_clip, rollout_logprobs=roll, tis_cap=self.tis_cap,
-                                  reduction=reduction, denominator=denom)
+            roll = flat("rollout_log_probs", rollout_log_probs, B, L)
+        with trusted_layout():  # the rows read in place: one segment per row
+            loss, m = ppo_policy_loss(logp, old, flat("advantages", advantages, B, L), m_flat,
+                                      cu_seqlens=_rows(reduction, B, L, mask.device),
+                                      clip_low=self.clip_eps_low, clip_high=self.clip_eps_high,
+                                      dual_clip=self.dual_clip, rollout_logprobs=roll, tis_cap=self.tis_cap,
+                                      reduction=reduction, denominator=denom)
         with torch.no_grad():
-            ones = torch.ones_like(lay.loss_mask, dtype=torch.float32)
-            ppo_kl = _masked_mean(old.float() - logp.float(), ones)
+            ppo_kl = masked_mean(old.float() - logp.detach().float(), m_flat).float()
             vllm_kl = filtered = None
             if roll is not None:
-                vllm_kl = _masked_mean(roll.float() - old.float(), ones)
-                filtered = _masked_mean(((old.float() - roll.float()).exp() > self.tis_cap).float(), ones)
+                vllm_kl = masked_mean(roll.float() - old.float(), m_flat).float()
+                filtered = masked_mean(((old.float() - roll.float()).exp() > self.tis_cap).float(), m_flat).float()
         return loss, m["clip_fraction"], ppo_kl, vllm_kl, filtered
 
 
@@ -136,9 +139,12 @@ class ValueLoss(nn.Module):
         """[B, L] tensors in, the scalar loss out, as OpenRLHF."""
         if action_mask is None:
             action_mask = torch.ones(values.shape, dtype=torch.bool, device=values.device)
-        lay = packed_layout(as_bool_mask("action_mask", action_mask))
+        mask = as_bool_mask("action_mask", action_mask)
+        B, L = mask.shape
         reduction, denom = _reduction(self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
-        loss, _ = value_loss(lay.pack(values, "values"), lay.pack(old_values, "old_values"),
-                             lay.pack(returns, "returns"), lay.loss_mask, clip=self.clip_eps,
-                             cu_seqlens=lay.cu_seqlens, reduction=reduction, denominator=denom)
+        with trusted_layout():
+            loss, _ = value_loss(flat("values", values, B, L), flat("old_values", old_values, B, L),
+                                 flat("returns", returns, B, L), mask.reshape(B * L), clip=self.clip_eps,
+                                 cu_seqlens=_rows(reduction, B, L, mask.device), reduction=reduction,
+                                 denominator=denom)
         return loss

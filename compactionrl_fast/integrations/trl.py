@@ -21,8 +21,9 @@ import torch
 
 from ..ops import ppo_policy_loss
 from ..ops import value_loss as _value_loss
+from ..ops._validate import trusted_layout
 from ._common import masked_whiten
-from .layout import as_bool_mask, packed_layout, segment_gae_padded
+from .layout import as_bool_mask, flat, segment_gae_padded
 
 
 def _number(name, x):
@@ -67,16 +68,21 @@ def policy_loss(new_logprobs, logprobs, advantages, padding_mask, cliprange):
 
     `new_logprobs` [B, L] receives the gradient; `logprobs`, `advantages` [B, L]; `padding_mask` True on padding.
     """
-    lay = packed_layout(~as_bool_mask("padding_mask", padding_mask))
+    keep = ~as_bool_mask("padding_mask", padding_mask)
+    B, L = keep.shape
     clip = _number("cliprange", cliprange)
-    loss, m = ppo_policy_loss(lay.pack(new_logprobs, "new_logprobs"), lay.pack(logprobs, "logprobs"),
-                              lay.pack(advantages, "advantages"), lay.loss_mask, clip_low=clip, clip_high=clip)
+    with trusted_layout():  # the rows read in place
+        loss, m = ppo_policy_loss(flat("new_logprobs", new_logprobs, B, L), flat("logprobs", logprobs, B, L),
+                                  flat("advantages", advantages, B, L), keep.reshape(B * L), clip_low=clip,
+                                  clip_high=clip)
     return loss, m["clip_fraction"]
 
 
 def value_loss(vpred, values, returns, padding_mask_p1, cliprange_value):
     """TRL's clipped value loss: (vf_loss, vf_clipfrac), 0.5 * token mean of max((v-R)^2, (v_clip-R)^2)."""
-    lay = packed_layout(~as_bool_mask("padding_mask_p1", padding_mask_p1))
-    loss, m = _value_loss(lay.pack(vpred, "vpred"), lay.pack(values, "values"), lay.pack(returns, "returns"),
-                          lay.loss_mask, clip=_number("cliprange_value", cliprange_value))
+    keep = ~as_bool_mask("padding_mask_p1", padding_mask_p1)
+    B, L = keep.shape
+    with trusted_layout():
+        loss, m = _value_loss(flat("vpred", vpred, B, L), flat("values", values, B, L), flat("returns", returns, B, L),
+                              keep.reshape(B * L), clip=_number("cliprange_value", cliprange_value))
     return loss, m["clip_fraction"]

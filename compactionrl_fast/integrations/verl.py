@@ -44,8 +44,9 @@ import sys
 import torch
 
 from ..ops import ppo_policy_loss
-from ._common import cfg_get, denominator_from, masked_whiten
-from .layout import as_bool_mask, packed_layout, segment_gae_padded
+from ..ops._validate import trusted_layout
+from ._common import cfg_get, denominator_from, masked_mean, masked_whiten
+from .layout import as_bool_mask, flat, row_table, segment_gae_padded
 
 ADV_ESTIMATOR = "compaction_gae"
 POLICY_LOSS = "compaction"
@@ -167,20 +168,23 @@ def compute_policy_loss_compaction(old_log_prob, log_prob, advantages, response_
     gbi = cfg_get(config, "global_batch_info", None) or {}
     mask = as_bool_mask("response_mask", response_mask)
     reduction, denom, scale = _loss_reduction(loss_agg_mode, mask, gbi, cfg_get(config, "loss_scale_factor", None))
-    lay = packed_layout(mask)
-    adv = lay.pack(advantages, "advantages")
+    B, L = mask.shape
+    adv = flat("advantages", advantages, B, L)  # the rows read in place: one segment per row
     if rollout_is_weights is not None:
         # l(A) is positively homogeneous in A (max/min of -r*A, -clip(r)*A, -c*A), so l(w*A) = w*l(A), w >= 0
-        adv = adv * lay.pack(rollout_is_weights, "rollout_is_weights").detach()
-    logp, old = lay.pack(log_prob, "log_prob"), lay.pack(old_log_prob, "old_log_prob")
-    loss, m = ppo_policy_loss(logp, old, adv, lay.loss_mask, cu_seqlens=lay.cu_seqlens,
-                              clip_low=float(clip if clip_low is None else clip_low),
-                              clip_high=float(clip if clip_high is None else clip_high),
-                              dual_clip=float(dual), reduction=reduction, denominator=denom)
+        adv = adv * flat("rollout_is_weights", rollout_is_weights, B, L).detach()
+    logp, old = flat("log_prob", log_prob, B, L), flat("old_log_prob", old_log_prob, B, L)
+    m_flat = mask.reshape(B * L)
+    rows = row_table(B, L, device=mask.device).rows if reduction == "segment-mean" else None
+    with trusted_layout():
+        loss, m = ppo_policy_loss(logp, old, adv, m_flat, cu_seqlens=rows,
+                                  clip_low=float(clip if clip_low is None else clip_low),
+                                  clip_high=float(clip if clip_high is None else clip_high),
+                                  dual_clip=float(dual), reduction=reduction, denominator=denom)
     if scale != 1.0:
         loss = loss * scale
     with torch.no_grad():
-        k1 = (old.float() - logp.float()).mean() if lay.num_tokens else torch.zeros(())
+        k1 = masked_mean(old.float() - logp.detach().float(), m_flat)
     metrics = {"actor/pg_clipfrac": m["clip_fraction"].item(), "actor/ppo_kl": k1.item(),
                "actor/pg_clipfrac_lower": m["dual_clip_fraction"].item(), "actor/approx_kl": m["approx_kl"].item(),
                "actor/ratio_max": m["ratio_max"].item()}

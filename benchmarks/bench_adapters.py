@@ -2,7 +2,7 @@
 
 Each shape is a padded batch with ~30% observation tokens inside the responses and right padding; "compacted"
 rows share rollout ids (2-3 rows per rollout, rows of one rollout scattered through the batch). Rows:
-  op packed        the op on the trainable tokens already packed (what the adapter must match)
+  op packed        the op on the batch already packed (padding removed, observation tokens kept, as `pack` does)
   adapter          the package's adapter (segment_gae_padded, verl `compaction` loss, OpenRLHF ValueLoss)
   adapter (pack)   the previous adapter path: packed_layout + pack/unpack around the op
   masked loop      the padded per-step reverse GAE loop of verl/OpenRLHF/TRL (restated:
@@ -31,7 +31,7 @@ QUICK_SHAPES = {"32x1024": (32, 1024)}
 
 def make_batch(B, L, compacted, seed=0):
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(L // 2, L + 1, (B,), generator=g)
+    lengths = torch.randint(L - L // 8, L + 1, (B,), generator=g)  # up to 1/8 of a row is padding
     inside = torch.arange(L)[None, :] < lengths[:, None]
     mask = inside & (torch.rand(B, L, generator=g) > 0.3)  # ~30% observation tokens inside each response
     rew = torch.zeros(B, L)
@@ -45,7 +45,7 @@ def make_batch(B, L, compacted, seed=0):
     logp = torch.randn(B, L, generator=g) * 0.3 - 1
     old = logp + 0.1 * torch.randn(B, L, generator=g)
     adv = torch.randn(B, L, generator=g)
-    return dict(mask=mask, rew=rew, val=val, ids=ids, logp=logp, old=old, adv=adv)
+    return dict(mask=mask, inside=inside, rew=rew, val=val, ids=ids, logp=logp, old=old, adv=adv)
 
 
 def _old_gae_adapter(b, kw):
@@ -76,7 +76,7 @@ def bench_shape(shape, B, L, compacted, budget_s):
     rows = []
     cfg = dict(shape=tag, op="gae")
     kw = dict(gamma=1.0, lam=0.95, cross_segment="paper")
-    lay = packed_layout(b["mask"], b["ids"])
+    lay = packed_layout(b["mask"], b["ids"], keep=b["inside"])  # packed as pack() does: padding out, observations in
     packed = (lay.pack(b["rew"]), lay.pack(b["val"]), lay.loss_mask, lay.cu_seqlens, lay.cu_segments)
     nbytes = 17 * T
     rows.append(H.measure("op packed", lambda: crf.segment_gae(*packed, **kw), config=cfg, budget_s=budget_s,

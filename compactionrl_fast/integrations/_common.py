@@ -38,7 +38,8 @@ def denominator_from(count, dp_size):
 
 
 def masked_mean(x, mask):
-    """Mean of `x` over the True positions of `mask` (float64; 0 when there is none). Masked positions are
-    never read into the sum (a NaN in padding does not reach it)."""
+    """Mean of `x` [N] over the True positions of `mask` [N] (0 when there is none), summed in float64 without a
+    float64 copy; `x` is overwritten (pass a temporary). Masked positions never reach the sum (a NaN in
+    padding does not)."""
     n = torch.count_nonzero(mask)
-    return torch.where(mask, x.double(), 0.0).sum() / n.clamp(min=1)
+    return x.masked_fill_(~mask, 0).sum(dtype=torch.float64) / n.clamp(min=1)

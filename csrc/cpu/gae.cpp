@@ -1,10 +1,19 @@
-// segment_gae on CPU: one reverse pass per rollout, rollouts in parallel, double accumulation.
-// Schema and Python-facing semantics: compactionrl_fast/ops/gae.py; math: csrc/common/gae_step.h.
+// segment_gae on CPU, double accumulation. Schema and Python-facing semantics: compactionrl_fast/ops/gae.py;
+// math: csrc/common/gae_step.h.
+//   1. per rollout (in parallel): trainable counts and the per-segment numbers (crf::rollout_params);
+//   2. the scan over "chains", the independent recurrences (a segment, or a stitched rollout): kLanes chains
+//      walk backwards in lockstep, one token of each per step, so the per-token dependency chain of one
+//      recurrence overlaps with the others' instead of setting the pace. Masked tokens are selects, not
+//      branches (a random mask would mispredict). A thread takes a range of chains.
+// `segment_gae_serial` keeps the one-rollout-at-a-time scan for the benchmark's "old" row.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -57,6 +66,206 @@ void gae_rollout(int64_t r, const idx_t* cu_seq, const idx_t* cu_seg, const int6
   }
 }
 
+// The per-segment numbers of rollout r: counts (when a mode needs them), then crf::rollout_params.
+template <typename idx_t>
+void rollout_numbers(int64_t r, const idx_t* cu_seq, const idx_t* cu_seg, const int64_t* start, const bool* mask,
+                     const float* lam_seg, double gamma, double lam, int64_t lam_mode, double alpha, int64_t cross,
+                     double lam_critic, int64_t* counts, SegParams* params) {
+  const int64_t s0 = cu_seg[r], s1 = cu_seg[r + 1];
+  const bool need_counts = cross == crf::kCrossPaper || lam_mode == crf::kLamAdaptiveSegment ||
+                           lam_mode == crf::kLamAdaptiveRollout;
+  if (need_counts)
+    for (int64_t s = s0; s < s1; ++s) {
+      int64_t n = 0;
+      const int64_t b = start ? start[s] : (int64_t)cu_seq[s], e = b + (cu_seq[s + 1] - cu_seq[s]);
+      for (int64_t t = b; t < e; ++t) n += mask[t];
+      counts[s] = n;
+    }
+  crf::rollout_params<idx_t>(s0, s1, cu_seq, need_counts ? counts : nullptr, lam_seg, gamma, lam, lam_mode, alpha,
+                             cross, lam_critic, params);
+}
+
+// An independent recurrence: segments lo..hi walked from hi down; only hi has reset = 1.
+struct Chain {
+  int64_t lo, hi;
+};
+
+constexpr int kLanes = 4;
+
+#define CRF_GAE_AVX2 __attribute__((target("avx2,fma")))
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+template <typename idx_t>
+struct ChainScan {
+  const idx_t* cu;
+  const int64_t* start;
+  const SegParams* P;
+  const float *rew, *val;
+  const bool* mask;
+  double gamma;
+  bool own_critic;
+  float *adv, *ret;
+
+  int64_t first(int64_t s) const { return start ? start[s] : (int64_t)cu[s]; }
+  int64_t len(int64_t s) const { return (int64_t)cu[s + 1] - (int64_t)cu[s]; }
+
+  // One lane: its chain's segment s (>= lo), token p going down to b, the segment's numbers and the carries.
+  struct Lane {
+    int64_t s, lo, p, b;
+    double gl, glc, scale, a, ac, vn;
+  };
+
+  // Move `l` to the next non-empty segment at or below l.s; false when the chain is done.
+  bool enter(Lane& l) const {
+    while (l.s >= l.lo && len(l.s) == 0) --l.s;
+    if (l.s < l.lo) return false;
+    l.b = first(l.s);
+    l.p = l.b + len(l.s) - 1;
+    l.gl = P[l.s].gl, l.glc = own_critic ? P[l.s].glc : P[l.s].gl, l.scale = P[l.s].scale;
+    return true;
+  }
+
+  bool start_chain(Lane& l, const Chain& c) const {
+    l.s = c.hi, l.lo = c.lo, l.a = l.ac = l.vn = 0.0;
+    return enter(l);
+  }
+
+  // The rest of one lane's chain on its own (the batch's last chains, or a single long one).
+  void finish(Lane& l) const {
+    do {
+      double a = l.a, ac = l.ac, vn = l.vn;
+      const double gl = l.gl, glc = l.glc, sc = l.scale;
+      for (int64_t t = l.p; t >= l.b; --t) {
+        const bool m = mask[t];
+        const double r = rew[t], v = val[t];
+        const double d = r + gamma * vn - v;
+        const double an = d + gl * a, acn = d + glc * ac;
+        adv[t] = m ? (float)(sc * an) : 0.f;
+        ret[t] = m ? (float)(acn + v) : 0.f;
+        a = m ? an : a;
+        ac = m ? acn : ac;
+        vn = m ? v : vn;
+      }
+      l.a = a, l.ac = ac, l.vn = vn;
+      --l.s;
+    } while (enter(l));
+  }
+
+  // kLanes lanes in lockstep for `steps` tokens each: the lanes' numbers in local arrays (registers), the
+  // lanes' recurrences independent, so their latencies overlap. Same arithmetic as `step`.
+  void lockstep_scalar(double* a, double* ac, double* vn, const double* gl, const double* glc, const double* sc,
+                       const int64_t* p, int64_t i0, int64_t i1) const {
+    for (int64_t i = i0; i < i1; ++i) {
+#pragma GCC unroll 4
+      for (int k = 0; k < kLanes; ++k) {
+        const int64_t t = p[k] - i;
+        const bool m = mask[t];
+        const double r = rew[t], v = val[t];
+        const double d = r + gamma * vn[k] - v;
+        const double an = d + gl[k] * a[k];
+        const double acn = d + glc[k] * ac[k];
+        adv[t] = m ? (float)(sc[k] * an) : 0.f;
+        ret[t] = m ? (float)(acn + v) : 0.f;
+        a[k] = m ? an : a[k];
+        ac[k] = m ? acn : ac[k];
+        vn[k] = m ? v : vn[k];
+      }
+    }
+  }
+
+  // The same in AVX2: 4 lanes x 4 tokens per iteration. Each lane's 4 tokens are loaded contiguously and
+  // transposed, so that one __m256d holds one step of the 4 lanes; results are transposed back and stored.
+  // Returns the steps done (a multiple of 4).
+  CRF_GAE_AVX2 int64_t lockstep_avx2(double* a_, double* ac_, double* vn_, const double* gl_, const double* glc_,
+                                     const double* sc_, const int64_t* p, int64_t steps) const {
+    static_assert(kLanes == 4, "one __m256d of lanes");
+    __m256d a = _mm256_loadu_pd(a_), ac = _mm256_loadu_pd(ac_), vn = _mm256_loadu_pd(vn_);
+    const __m256d gl = _mm256_loadu_pd(gl_), glc = _mm256_loadu_pd(glc_), sc = _mm256_loadu_pd(sc_);
+    const __m256d g = _mm256_set1_pd(gamma), zero_d = _mm256_setzero_pd();
+    const __m256i zero_i = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 4 <= steps; i += 4) {
+      // rows: lane k's tokens p[k]-i-3 .. p[k]-i
+      __m128 r0 = _mm_loadu_ps(rew + p[0] - i - 3), r1 = _mm_loadu_ps(rew + p[1] - i - 3);
+      __m128 r2 = _mm_loadu_ps(rew + p[2] - i - 3), r3 = _mm_loadu_ps(rew + p[3] - i - 3);
+      __m128 v0 = _mm_loadu_ps(val + p[0] - i - 3), v1 = _mm_loadu_ps(val + p[1] - i - 3);
+      __m128 v2 = _mm_loadu_ps(val + p[2] - i - 3), v3 = _mm_loadu_ps(val + p[3] - i - 3);
+      _MM_TRANSPOSE4_PS(r0, r1, r2, r3);  // now r_c: column c (token p-i-3+c) of every lane
+      _MM_TRANSPOSE4_PS(v0, v1, v2, v3);
+      int32_t mb[4];
+      for (int k = 0; k < 4; ++k) std::memcpy(&mb[k], mask + p[k] - i - 3, 4);
+      const __m128i mrows = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mb));
+      const __m128 rc[4] = {r0, r1, r2, r3}, vc[4] = {v0, v1, v2, v3};
+      __m128 oa[4], orr[4];
+      for (int c = 3; c >= 0; --c) {  // backwards: token p-i first
+        const __m128i pick = _mm_setr_epi8(c, 4 + c, 8 + c, 12 + c, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+        const __m256d m = _mm256_castsi256_pd(_mm256_sub_epi64(zero_i, _mm256_cvtepu8_epi64(_mm_shuffle_epi8(mrows, pick))));
+        const __m256d r = _mm256_cvtps_pd(rc[c]), v = _mm256_cvtps_pd(vc[c]);
+        const __m256d d = _mm256_sub_pd(_mm256_fmadd_pd(g, vn, r), v);
+        const __m256d an = _mm256_fmadd_pd(gl, a, d);
+        const __m256d acn = _mm256_fmadd_pd(glc, ac, d);
+        oa[c] = _mm256_cvtpd_ps(_mm256_blendv_pd(zero_d, _mm256_mul_pd(sc, an), m));
+        orr[c] = _mm256_cvtpd_ps(_mm256_blendv_pd(zero_d, _mm256_add_pd(acn, v), m));
+        a = _mm256_blendv_pd(a, an, m);
+        ac = _mm256_blendv_pd(ac, acn, m);
+        vn = _mm256_blendv_pd(vn, v, m);
+      }
+      _MM_TRANSPOSE4_PS(oa[0], oa[1], oa[2], oa[3]);  // back to rows: lane k's 4 tokens
+      _MM_TRANSPOSE4_PS(orr[0], orr[1], orr[2], orr[3]);
+      for (int k = 0; k < 4; ++k) {
+        _mm_storeu_ps(adv + p[k] - i - 3, oa[k]);
+        _mm_storeu_ps(ret + p[k] - i - 3, orr[k]);
+      }
+    }
+    _mm256_storeu_pd(a_, a), _mm256_storeu_pd(ac_, ac), _mm256_storeu_pd(vn_, vn);
+    return i;
+  }
+
+  void lockstep(Lane* lane, int64_t steps) const {
+    double a[kLanes], ac[kLanes], vn[kLanes], gl[kLanes], glc[kLanes], sc[kLanes];
+    int64_t p[kLanes];
+    for (int k = 0; k < kLanes; ++k)
+      a[k] = lane[k].a, ac[k] = lane[k].ac, vn[k] = lane[k].vn, gl[k] = lane[k].gl, glc[k] = lane[k].glc,
+      sc[k] = lane[k].scale, p[k] = lane[k].p;
+    const int64_t done = has_avx2() ? lockstep_avx2(a, ac, vn, gl, glc, sc, p, steps) : 0;
+    lockstep_scalar(a, ac, vn, gl, glc, sc, p, done, steps);
+    for (int k = 0; k < kLanes; ++k) lane[k].a = a[k], lane[k].ac = ac[k], lane[k].vn = vn[k], lane[k].p = p[k] - steps;
+  }
+
+  void run(const Chain* chains, int64_t n) const {
+    Lane lane[kLanes];
+    int64_t next = 0;
+    int live = 0;
+    for (; live < kLanes && next < n;)
+      if (start_chain(lane[live], chains[next++])) ++live;
+    while (live == kLanes) {
+      int64_t steps = lane[0].p - lane[0].b + 1;
+      for (int k = 1; k < kLanes; ++k) steps = std::min(steps, lane[k].p - lane[k].b + 1);
+      lockstep(lane, steps);
+      for (int k = 0; k < kLanes && live == kLanes; ++k) {
+        if (lane[k].p >= lane[k].b) continue;
+        --lane[k].s;
+        if (enter(lane[k])) continue;
+        bool refilled = false;
+        while (!refilled && next < n) refilled = start_chain(lane[k], chains[next++]);
+        if (!refilled) {  // the queue is empty: this lane is done, the others finish one by one
+          lane[k] = lane[kLanes - 1];
+          --live;
+        }
+      }
+    }
+    for (int k = 0; k < live; ++k) finish(lane[k]);  // the tail: the lanes' rest, then any chains left
+    for (; next < n; ++next) {
+      Lane l;
+      if (start_chain(l, chains[next])) finish(l);
+    }
+  }
+};
+
 // Offsets are checked here too (O(S + R)), since the op can be called without the Python checks (directly,
 // or under torch.compile): a bad layout is a ValueError, never an out-of-bounds access.
 template <typename idx_t>
@@ -95,7 +304,8 @@ std::tuple<at::Tensor, at::Tensor> segment_gae_cpu(const at::Tensor& rewards, co
                                                    const at::Tensor& cu_segments,
                                                    const std::optional<at::Tensor>& lam_seg, double gamma,
                                                    double lam, int64_t lam_mode, double alpha, int64_t cross,
-                                                   double lam_critic, const std::optional<at::Tensor>& seg_start) {
+                                                   double lam_critic, const std::optional<at::Tensor>& seg_start,
+                                                   bool serial = false) {
   TORCH_CHECK(rewards.device().is_cpu() && values.device().is_cpu() && loss_mask.device().is_cpu() &&
                   cu_seqlens.device().is_cpu() && cu_segments.device().is_cpu(),
               "segment_gae: all tensors must be on the CPU");
@@ -132,25 +342,65 @@ std::tuple<at::Tensor, at::Tensor> segment_gae_cpu(const at::Tensor& rewards, co
   if (lam_mode == crf::kLamTensor)
     TORCH_CHECK_VALUE(ls.numel() == cs.numel() - 1, "segment_gae: lam_seg must be [S]");
   auto adv = crf::empty_output(rew.sizes(), rew.options()), ret = crf::empty_output(rew.sizes(), rew.options());
-  const int64_t R = cg.numel() - 1, S = cs.numel() - 1;
+  const int64_t R = cg.numel() - 1, S = cs.numel() - 1, T = rew.numel();
   std::vector<int64_t> counts(S);
   std::vector<SegParams> params(S);
   // ~32K tokens per task (ATen's grain): a small batch stays on the calling thread, since waking a pool
   // thread costs more than scanning it (and, on a loaded machine, a whole scheduler time slice).
-  const int64_t grain = std::max<int64_t>(1, R * 32768 / std::max<int64_t>(rew.numel(), 1));
+  const int64_t grain = std::max<int64_t>(1, R * 32768 / std::max<int64_t>(T, 1));
+  const int64_t* pst = st.defined() ? st.data_ptr<int64_t>() : nullptr;
   AT_DISPATCH_INDEX_TYPES(cs.scalar_type(), "segment_gae_cpu", [&] {
     const index_t* cu_seq = cs.data_ptr<index_t>();
     const index_t* cu_seg = cg.data_ptr<index_t>();
-    const float *pr = rew.data_ptr<float>(), *pv = val.data_ptr<float>();
     const bool* pm = mask.data_ptr<bool>();
-    float *pa = adv.data_ptr<float>(), *pt = ret.data_ptr<float>();
+    if (serial) {
+      const float *pr = rew.data_ptr<float>(), *pv = val.data_ptr<float>();
+      float *pa = adv.data_ptr<float>(), *pt = ret.data_ptr<float>();
+      at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+          gae_rollout<index_t>(r, cu_seq, cu_seg, pst, pr, pv, pm, lam_ptr, gamma, lam, lam_mode, alpha, cross,
+                               lam_critic, counts.data(), params.data(), pa, pt);
+      });
+      return;
+    }
     at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        gae_rollout<index_t>(r, cu_seq, cu_seg, st.defined() ? st.data_ptr<int64_t>() : nullptr, pr, pv, pm, lam_ptr, gamma, lam, lam_mode, alpha, cross,
-                             lam_critic, counts.data(), params.data(), pa, pt);
+        rollout_numbers<index_t>(r, cu_seq, cu_seg, pst, pm, lam_ptr, gamma, lam, lam_mode, alpha, cross, lam_critic,
+                                 counts.data(), params.data());
+    });
+    std::vector<Chain> chains;  // each starts (from the end) at a segment with reset = 1
+    std::vector<int64_t> chain_tokens(1, 0);  // prefix sums of the chains' lengths, for the split
+    for (int64_t s = S - 1; s >= 0; --s) {
+      if (params[s].reset != 0.0 || chains.empty()) chains.push_back({s, s});
+      else chains.back().lo = s;
+    }
+    for (const Chain& c : chains) chain_tokens.push_back(chain_tokens.back() + cu_seq[c.hi + 1] - cu_seq[c.lo]);
+    const ChainScan<index_t> scan{cu_seq, pst, params.data(), rew.data_ptr<float>(), val.data_ptr<float>(), pm,
+                                  gamma, lam_critic >= 0.0, adv.data_ptr<float>(), ret.data_ptr<float>()};
+    const int64_t n = (int64_t)chains.size();
+    const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), T / 32768));
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t k = begin; k < end; ++k) {  // chains split into `tasks` ranges of about equal tokens
+        auto at_share = [&](int64_t j) {
+          return (int64_t)(std::lower_bound(chain_tokens.begin(), chain_tokens.end(), T * j / tasks) -
+                           chain_tokens.begin());
+        };
+        const int64_t c0 = std::min(at_share(k), n), c1 = k + 1 == tasks ? n : std::min(at_share(k + 1), n);
+        if (c1 > c0) scan.run(chains.data() + c0, c1 - c0);
+      }
     });
   });
   return {adv, ret};
+}
+
+std::tuple<at::Tensor, at::Tensor> segment_gae_serial_cpu(const at::Tensor& rewards, const at::Tensor& values,
+                                                          const at::Tensor& loss_mask, const at::Tensor& cu_seqlens,
+                                                          const at::Tensor& cu_segments,
+                                                          const std::optional<at::Tensor>& lam_seg, double gamma,
+                                                          double lam, int64_t lam_mode, double alpha, int64_t cross,
+                                                          double lam_critic, const std::optional<at::Tensor>& seg_start) {
+  return segment_gae_cpu(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha,
+                         cross, lam_critic, seg_start, true);
 }
 
 }  // namespace
@@ -160,6 +410,19 @@ TORCH_LIBRARY_FRAGMENT(compactionrl_fast, m) {
       "segment_gae(Tensor rewards, Tensor values, Tensor loss_mask, Tensor cu_seqlens, Tensor cu_segments, "
       "Tensor? lam_seg, float gamma, float lam, int lam_mode, float alpha, int cross, float lam_critic, "
       "Tensor? seg_start=None) -> (Tensor, Tensor)");
+  m.def(
+      "segment_gae_serial(Tensor rewards, Tensor values, Tensor loss_mask, Tensor cu_seqlens, Tensor cu_segments, "
+      "Tensor? lam_seg, float gamma, float lam, int lam_mode, float alpha, int cross, float lam_critic, "
+      "Tensor? seg_start=None) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(compactionrl_fast, CPU, m) { m.impl("segment_gae", &segment_gae_cpu); }
+TORCH_LIBRARY_IMPL(compactionrl_fast, CPU, m) {
+  m.impl("segment_gae", [](const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& loss_mask,
+                           const at::Tensor& cu_seqlens, const at::Tensor& cu_segments,
+                           const std::optional<at::Tensor>& lam_seg, double gamma, double lam, int64_t lam_mode,
+                           double alpha, int64_t cross, double lam_critic, const std::optional<at::Tensor>& seg_start) {
+    return segment_gae_cpu(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha,
+                           cross, lam_critic, seg_start, false);
+  });
+  m.impl("segment_gae_serial", &segment_gae_serial_cpu);
+}

@@ -116,7 +116,7 @@ def _bench(argv):
               file=sys.stderr)
         return 2
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [x for x in [os.environ.get("PYTHONPATH")] if x]))
-    return subprocess.call([sys.executable, "-m", "benchmarks", *argv], cwd=root, env=env)
+    return subprocess.call([sys.executable, "-m", "benchmarks", *argv], env=env)
 
 
 COMMANDS = {"demo": _demo, "ablations": _ablations, "train": _train, "plot": _plot, "bench": _bench}

@@ -155,8 +155,6 @@ HELP = {
     "eval_rollouts": "held-out tasks per evaluation",
     "checkpoint_every": "write checkpoint.pt every N steps (0: only at the end)",
     "progress": "true | false: progress bars",
-    "model": "section: the model (see model.*)",
-    "sft": "section: supervised warm start (see sft.*)",
     "env": "keyword arguments of the built-in memory task (see env.*)",
     "rollout": "keyword arguments of the rollout config over memory_config() (see rollout.*)",
     # ModelConfig
@@ -179,6 +177,13 @@ HELP = {
     "sft.max_grad_norm": "gradient-norm clip",
     "sft.expert_drop_p": "probability that the scripted expert's summary drops the oldest digit",
 }
+
+# CLI placeholders where the default's type does not say what is allowed
+METAVAR = {"device": "{auto,cpu,cuda}", "threads": "{0,N,auto}", "lam": "{FLOAT,adaptive}",
+           "adaptive_length": "{rollout,segment}", "lam_critic": "{FLOAT,null}", "cross_segment": "{paper,none,stitched}",
+           "dual_clip": "{FLOAT,null}", "tis_cap": "{FLOAT,null}", "value_clip": "{FLOAT,null}",
+           "max_grad_norm": "{FLOAT,null}", "loss_reduction": "{token-mean,segment-mean,rollout-mean,sum}",
+           "train_summary_tokens": "{true,false}", "progress": "{true,false}"}
 
 # keys of the dict sections: the memory task's constructor and the rollout config (documented there)
 ENV_HELP = {
@@ -274,7 +279,8 @@ def add_arguments(parser: argparse.ArgumentParser, base: TrainConfig) -> None:
         if dataclasses.is_dataclass(default) or isinstance(default, (dict, tuple)):
             continue
         parser.add_argument("--" + f.name.replace("_", "-"), dest="cfg_" + f.name, default=None,
-                            metavar=type(default).__name__.upper() if default is not None else "VALUE",
+                            metavar=METAVAR.get(f.name, type(default).__name__.upper() if default is not None
+                                                else "VALUE"),
                             help=f"{HELP.get(f.name, '')} (default: {default})".lstrip())
 
 

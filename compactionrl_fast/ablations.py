@@ -148,7 +148,7 @@ def curves(results: dict, run_dir: str, path: str) -> None:
     from .train.plots import read_metrics, step_axis
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.14, top=0.88, wspace=0.22)
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.14, top=0.84, wspace=0.22)
     shade = None
     for v in results["variants"]:
         per_seed = {}
@@ -180,11 +180,12 @@ def curves(results: dict, run_dir: str, path: str) -> None:
     for ax, (title, ylabel) in zip(axes, titles):
         if shade is not None:
             ax.axvspan(*shade, color="0.85", zorder=0)
-        ax.set_title(title + ": mean over seeds, band = range", fontsize=9)
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("actor update" + (" (shaded: value pre-training)" if shade else ""), fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
+    fig.suptitle("Ablations: line = mean over seeds, band = range over seeds", fontsize=9)
     fig.savefig(path, dpi=80)
     plt.close(fig)

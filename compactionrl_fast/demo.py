@@ -241,6 +241,9 @@ def _checkout_root() -> str:
             and "<!-- demo:start -->" in open(readme).read()):
         raise ValueError(f"--record needs a source checkout (an editable install): no README.md demo block and "
                          f"benchmarks/results/ under {root}")
+    rev = git_revision(root)
+    if rev is None or rev.endswith("+dirty"):
+        raise ValueError(f"--record stamps the results with the git revision: commit first (revision: {rev})")
     return root
 
 

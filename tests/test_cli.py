@@ -84,3 +84,25 @@ if __name__ == "__main__":
     with open(CONFIG_MD, "w") as f:
         f.write(_config_md(text))
     print(f"wrote {CONFIG_MD}")
+
+
+def test_demo_writes_under_run_dir_and_record_updates_results_and_readme(tmp_path, monkeypatch):
+    from compactionrl_fast import demo
+
+    from .train._tiny import tiny_train_config
+
+    # a stand-in checkout: README with a demo block, benchmarks/results/
+    root = tmp_path / "checkout"
+    (root / "benchmarks" / "results").mkdir(parents=True)
+    (root / "README.md").write_text("intro\n<!-- demo:start -->\nold numbers\n<!-- demo:end -->\nrest\n")
+    monkeypatch.setattr(demo, "_checkout_root", lambda: str(root))
+    cfg = tiny_train_config(tmp_path / "runs")
+    res = demo.run(cfg, seeds=[0], ablation_seeds=[], eval_rollouts=4, argv=["demo", "--tiny"], record=True)
+    for ext in ("json", "md", "png"):  # under the run dir, and recorded
+        assert (tmp_path / "runs" / f"demo_cpu.{ext}").is_file()
+        assert (root / "benchmarks" / "results" / f"demo_cpu.{ext}").is_file()
+    assert (tmp_path / "runs" / "seed0" / "sft" / "plots" / "sft.png").is_file()
+    readme = (root / "README.md").read_text()
+    assert "old numbers" not in readme and readme.startswith("intro\n") and readme.endswith("<!-- demo:end -->\nrest\n")
+    assert f"git `{res['machine']['git']}`" in readme and "torch " in readme and "| 0 |" in readme
+    assert res["versions"]["packages"]["torch"] and res["versions"]["python"]

@@ -18,8 +18,10 @@ RL_FIGURES = {
         ("Summary recall", "fraction of summaries", [("summary_recall", "hold every digit seen")]),
     ],
     "compaction": [
-        ("Compactions", "summaries per rollout", [("compactions_per_rollout", None)]),
-        ("Summary length", "tokens per summary", [("summary_length", None)]),
+        # the rollouts' own means (the diagnostics' compactions_per_rollout / summary_length are token-weighted
+        # over micro-batches)
+        ("Compactions", "summaries per rollout", [("compactions", None)]),
+        ("Summary length", "tokens per summary", [("summary_tokens", None)]),
         ("Trainable tokens", "tokens per rollout", [("tokens_exec_per_rollout", "exec"),
                                                     ("tokens_summary_per_rollout", "summary")]),
     ],
@@ -31,8 +33,9 @@ RL_FIGURES = {
     "ppo": [
         ("Clipped tokens", "fraction of tokens", [("actor/clip_fraction", "ratio clip"),
                                                   ("actor/dual_clip_fraction", "dual clip")]),
-        ("KL estimates", "nats per token", [("actor/approx_kl", "update vs behaviour policy"),
-                                             ("actor/rollout_kl", "trainer vs sampler")]),
+        # actor/rollout_kl (trainer vs sampler) is taken after the step's earlier mini-batch updates, so it
+        # repeats approx_kl up to rounding: one panel, one line
+        ("Approximate KL, policy vs behaviour policy", "nats per token", [("actor/approx_kl", None)]),
         ("Policy entropy", "nats per token", [("actor/entropy", None)]),
     ],
     "advantages": [
@@ -130,8 +133,15 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list:
     for name, panels in (SFT_FIGURES if is_sft(rows) else RL_FIGURES).items():
         drawn = []
         for title, ylabel, keys in panels:
-            lines = [(label, *_series(rows, xs, k)) for k, label in keys]
-            lines = [ln for ln in lines if ln[1]]
+            lines = []
+            for k, label in keys:
+                px, py = _series(rows, xs, k)
+                same = [i for i, (_, qx, qy) in enumerate(lines) if (qx, qy) == (px, py)]
+                if same:  # e.g. reward = success on a 0/1 task: one line, both names
+                    i = same[0]
+                    lines[i] = (f"{lines[i][0]} = {label}", *lines[i][1:])
+                elif px:
+                    lines.append((label, px, py))
             if lines:
                 drawn.append((title, ylabel, lines))
         if not drawn:

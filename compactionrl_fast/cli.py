@@ -65,6 +65,7 @@ def _ablations(argv):
     p = _config_parser("compactionrl-fast ablations", ablations.__doc__.split("\n\n")[0], demo_config())
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of every variant (default: 0 1 2)")
     p.add_argument("--variants", nargs="+", default=list(ablations.VARIANTS), choices=list(ablations.VARIANTS),
+                   metavar="VARIANT",
                    help="variants to run (default: all): " + "; ".join(f"{k}: {v[0]}" for k, v in
                                                                       ablations.VARIANTS.items()))
     p.add_argument("--name", default="ablations", help="file name stem of the table and figure (default: ablations)")

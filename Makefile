@@ -43,3 +43,9 @@ demo:               ## the CPU demo: SFT, CompactionRL, ablation, plots
 
 clean:
 	rm -rf build *.egg-info compactionrl_fast/*.so
+
+# the paper's ablations on the demo's task (docs/demo.md): 5 variants x 3 seeds by default, -> runs/ablations/
+# (extra flags: make demo-ablations ARGS="--seeds 0 1 --steps 20")
+.PHONY: demo-ablations
+demo-ablations:
+	$(PY) -m compactionrl_fast ablations $(ARGS)

@@ -78,7 +78,7 @@ def _split(total: int, weights: torch.Tensor) -> list[int]:
 
 
 def make_batch(rollouts, length, segments=1, varlen=False, *, seed=0, device="cpu"):
-    """Packed batch (SPEC section 3) of `rollouts` x `length` tokens (exactly, also when varlen).
+    """Packed batch (docs/layout.md) of `rollouts` x `length` tokens (exactly, also when varlen).
 
     Segments follow the compaction pattern exec, summary, exec, ...: a summary gets ~5% of a rollout's
     tokens. The mask alternates trainable runs (mean 140 tokens) and observation runs (mean 60).

@@ -5,7 +5,9 @@ twice, so the first digits reach the answer only through the summaries): build t
 Llama, SFT on a scripted expert whose summaries systematically drop the oldest digit, then CompactionRL
 (value pre-training, PPO with compaction), then the same RL budget with summary tokens out of the policy
 loss (the ablation). Every model is evaluated on held-out tasks (sampling at the rollout temperature,
-and greedy); the table, the plots and results JSON/markdown are written at the end.
+and greedy); the table, the plots and results JSON/markdown are written at the end, under the run
+directory (`runs/demo/` by default). `record=True` (`demo --record`, for maintainers) also copies the
+results to `benchmarks/results/` and rewrites the README's demo block from them.
 
 `train` is the generic entry point of `python -m compactionrl_fast train` on the same task.
 """
@@ -122,18 +124,43 @@ def run_rl(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, progress=True, resu
     return state
 
 
-def run_eval(actor, tok, make_envs, rcfg, n: int, temperature: float) -> dict:
-    """Success on `n` held-out tasks, sampled at `temperature` and greedy."""
+def run_eval(actor, tok, make_envs, rcfg, n: int, temperature: float, *, progress=True, desc="eval") -> dict:
+    """Success on `n` held-out tasks, sampled at `temperature` and greedy (with a progress bar)."""
     from .rollout.engines.transformers_engine import TransformersEngine
 
     engine = TransformersEngine(actor, pad_token_id=tok.pad_token_id)
     out = {}
+    rank, ws = world()
+    bar = _tqdm(total=2 * len(range(rank, n, ws)), desc=desc, unit="rollout", disable=not progress or rank != 0)
     for name, t in (("sampled", temperature), ("greedy", 0.0)):
-        m, ro = evaluate(engine, make_envs, tok, rcfg, n, temperature=t, seed_base=EVAL_SEED_BASE)
+        bar.set_postfix(mode=name)
+        counted, finish = _counting(make_envs, bar)
+        m, ro = evaluate(engine, counted, tok, rcfg, n, temperature=t, seed_base=EVAL_SEED_BASE)
+        finish()
         out[name] = {"success": m["success"], "reward": m["reward"],
                      "accuracy": m.get("info/accuracy"), "compactions": m["compactions"],
                      "summary_tokens": m["summary_tokens"], "summary_recall": summary_recall(ro)}
+    bar.close()
     return out
+
+
+def _counting(make_envs, bar):
+    """(make_envs that advances `bar`, a function that finishes it).
+
+    `evaluate` builds each chunk's environments just before running the chunk, so a call means the
+    previous chunk is done: the bar moves by the previous call's count (and by the last one at the end)."""
+    pending = [0]
+
+    def make(n):
+        bar.update(pending[0])
+        pending[0] = n
+        return make_envs(n)
+
+    def finish():
+        bar.update(pending[0])
+        pending[0] = 0
+
+    return make, finish
 
 
 def summary_recall(rollouts) -> float | None:
@@ -144,16 +171,21 @@ def summary_recall(rollouts) -> float | None:
     return sum(flags) / len(flags) if flags else None
 
 
-def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512, out_dir="benchmarks/results",
-        name="demo_cpu", argv=()) -> dict:
-    """The whole demo; writes OUT/NAME.json, OUT/NAME.md, OUT/NAME.png and per-run plots."""
+def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512, out_dir=None,
+        name="demo_cpu", argv=(), record=False, progress=None) -> dict:
+    """The whole demo; writes OUT/NAME.json, OUT/NAME.md, OUT/NAME.png (OUT: `out_dir`, default cfg.run_dir)
+    and per-run plots. `record`: also write them to the checkout's benchmarks/results/ and rewrite the
+    README's demo block (maintainers; needs a source checkout). `progress`: bars (default cfg.progress)."""
     from .train.plots import plot_run
 
+    out_dir = out_dir or cfg.run_dir
+    progress = cfg.progress if progress is None else progress
+    record_root = _checkout_root() if record else None  # fail before hours of training, not after
     tuner = make_tuner(cfg.threads)
     t0, c0 = time.time(), time.process_time()
     tok, make_envs, rcfg = task(cfg)
     results = {"command": "python -m compactionrl_fast " + " ".join(argv), "config": to_dict(cfg),
-               "machine": _machine(cfg.threads), "runs": {}}
+               "machine": _machine(cfg.threads), "versions": versions(), "runs": {}}
     for seed in seeds:
         scfg = update(cfg, {"seed": seed})
         root = os.path.join(cfg.run_dir, f"seed{seed}")
@@ -162,20 +194,24 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
         actor = build(scfg, tok)
         os.makedirs(root, exist_ok=True)
         sft_m = run_sft(update(scfg, {"run_dir": os.path.join(root, "sft")}), actor, tok, make_envs, rcfg,
-                        log=MetricsLog(os.path.join(root, "sft")), tuner=tuner)
+                        log=MetricsLog(os.path.join(root, "sft")), tuner=tuner, progress=progress)
         res["sft_time_s"] = time.time() - t
         res["sft_final_loss"] = sft_m.get("sft/loss")
+        if scfg.sft.steps > 0:
+            plot_run(os.path.join(root, "sft"))
         sft_weights = copy.deepcopy(actor.state_dict())
-        res["sft"] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature)
+        res["sft"] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature, progress=progress,
+                              desc=f"eval   seed {seed} SFT")
         _print_eval(f"seed {seed} SFT", res["sft"])
         variants = [("full", True)] + ([("ablation", False)] if seed in ablation_seeds else [])
         for vname, train_summaries in variants:
             t = time.time()
             actor.load_state_dict(sft_weights)
             vcfg = update(scfg, {"run_dir": os.path.join(root, vname), "train_summary_tokens": train_summaries})
-            run_rl(vcfg, actor, tok, make_envs, rcfg, tuner=tuner)
+            run_rl(vcfg, actor, tok, make_envs, rcfg, tuner=tuner, progress=progress)
             res[f"{vname}_time_s"] = time.time() - t
-            res[vname] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature)
+            res[vname] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature, progress=progress,
+                                  desc=f"eval   seed {seed} {vname}")
             _print_eval(f"seed {seed} {vname}", res[vname])
             plot_run(vcfg.run_dir)
     results["total_time_s"] = time.time() - t0
@@ -187,7 +223,95 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
     _write(results, out_dir, name)
     print(_table(results))
     print(f"total {results['total_time_s'] / 60:.1f} min; results in {os.path.join(out_dir, name)}.{{json,md,png}}")
+    if record_root is not None:
+        _write(results, os.path.join(record_root, "benchmarks", "results"), name)
+        readme = os.path.join(record_root, "README.md")
+        with open(readme) as f:
+            text = f.read()
+        with open(readme, "w") as f:
+            f.write(replace_block(text, "demo", demo_block(results, name)))
+        print(f"recorded in {os.path.join(record_root, 'benchmarks', 'results', name)}.{{json,md,png}} and README.md")
     return results
+
+
+def _checkout_root() -> str:
+    """The source checkout holding this package (README.md with a demo block, benchmarks/results/)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = os.path.join(root, "README.md")
+    if not (os.path.isdir(os.path.join(root, "benchmarks", "results")) and os.path.isfile(readme)
+            and "<!-- demo:start -->" in open(readme).read()):
+        raise ValueError(f"--record needs a source checkout (an editable install): no README.md demo block and "
+                         f"benchmarks/results/ under {root}")
+    rev = git_revision(root)
+    if rev is None or rev.endswith("+dirty"):
+        raise ValueError(f"--record stamps the results with the git revision: commit first (revision: {rev})")
+    return root
+
+
+def versions() -> dict:
+    """Python and the version of every installed distribution (name -> version), sorted by name."""
+    from importlib import metadata
+
+    pkgs = {}
+    for d in metadata.distributions():
+        name = d.metadata["Name"]
+        if name:
+            pkgs[name.lower()] = d.version
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "packages": dict(sorted(pkgs.items()))}
+
+
+KEY_PACKAGES = ("torch", "triton", "numpy", "transformers", "tokenizers", "safetensors", "tqdm", "pyyaml",
+                "matplotlib")
+
+
+def version_line(v: dict) -> str:
+    """"Python 3.11.7, torch 2.13.0+cpu, ..." for the demo's main dependencies (all are in the JSON)."""
+    pk = v.get("packages", {})
+    return ", ".join([f"Python {v.get('python')}", f"torch {v.get('torch')}"] +
+                     [f"{k} {pk[k]}" for k in KEY_PACKAGES[1:] if k in pk])
+
+
+def replace_block(text: str, tag: str, body: str) -> str:
+    """`text` with the lines between `<!-- TAG:start -->` and `<!-- TAG:end -->` replaced by `body`."""
+    start, end = f"<!-- {tag}:start -->", f"<!-- {tag}:end -->"
+    i, j = text.find(start), text.find(end)
+    if i < 0 or j < i:
+        raise ValueError(f"no {start} ... {end} block in the text")
+    return text[:i + len(start)] + "\n" + body.strip("\n") + "\n" + text[j:]
+
+
+def demo_block(results: dict, name: str) -> str:
+    """The README's demo block: where, when and with what the numbers were measured, and the per-seed table."""
+    m = results["machine"]
+    runs = results["runs"]
+    f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    minutes = lambda k: [r[k] / 60 for r in runs.values() if k in r]  # noqa: E731
+    rl = minutes("full_time_s") + minutes("ablation_time_s")
+    lines = [f"Recorded by `{results['command']}` at git `{m.get('git')}` on {m.get('cpu')} ({m.get('cores')} cores, "
+             f"torch threads {m.get('torch_threads')}, load average {_load(m.get('loadavg_start'))} at start): "
+             f"**{results['total_time_s'] / 60:.1f} min** wall (SFT {_span(minutes('sft_time_s'))} min, "
+             f"each RL run {_span(rl)} min, evaluations the rest). {version_line(results.get('versions', {}))}. "
+             f"Held-out success on {results['config'].get('eval_rollouts')} tasks "
+             f"(`benchmarks/results/{name}.md`):", "",
+             "| seed | SFT start (T=1 / greedy) | CompactionRL (T=1 / greedy) | "
+             "ablation: summaries out of the loss (T=1 / greedy) |", "|---|---|---|---|"]
+    for seed, r in runs.items():
+        cells = [f"{f(r[k]['sampled']['success'])} / {f(r[k]['greedy']['success'])}" if k in r else "-"
+                 for k in ("sft", "full", "ablation")]
+        lines.append(f"| {seed} | " + " | ".join(cells) + " |")
+    t = results["summary"]["targets"]
+    lines += ["", "Targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in t.items()) + ".", "",
+              f"![training success and summary recall](benchmarks/results/{name}.png)"]
+    return "\n".join(lines)
+
+
+def _span(xs) -> str:
+    return "-" if not xs else f"{min(xs):.1f}" if max(xs) - min(xs) < 0.05 else f"{min(xs):.1f}-{max(xs):.1f}"
+
+
+def _load(x) -> str:
+    return "-" if not x else f"{x[0]:.1f}"
 
 
 def _machine(threads) -> dict:
@@ -196,7 +320,8 @@ def _machine(threads) -> dict:
     except OSError:
         load = None
     return {"git": git_revision(os.path.dirname(os.path.abspath(__file__))), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "torch_threads": threads or torch.get_num_threads(), "torch": torch.__version__, "loadavg_start": load}
+            "torch_threads": threads or torch.get_num_threads(), "torch": torch.__version__, "loadavg_start": load,
+            "versions": version_line(versions())}
 
 
 def _print_eval(label, ev):
@@ -249,27 +374,35 @@ def _write(results, out_dir, name):
 
 
 def _curves(results, path):
-    """Training success and summary recall of the full method and the ablation, per seed."""
+    """Training success and summary recall of the full method and the ablation, per seed, against actor
+    updates (value pre-training shaded, at x <= 0: the per-run plots' convention)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .train.plots import read_metrics
+    from .train.plots import read_metrics, step_axis
 
     run_dir = results["config"]["run_dir"]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.15, top=0.9, wspace=0.25)
+    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.6))
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.15, top=0.88, wspace=0.25)
+    shade = None
     for seed in results["runs"]:
         for v, style in (("full", "-"), ("ablation", "--")):
             p = os.path.join(run_dir, f"seed{seed}", v, "metrics.jsonl")
             if os.path.isfile(p):
-                rows = [r for r in read_metrics(p) if r.get("phase") == "ppo"]
+                rows = read_metrics(p)
+                xs, _, shade = step_axis(rows)
                 for ax, key in zip(axes, ("success", "summary_recall")):
-                    ax.plot([r["actor_step"] for r in rows], [r.get(key) for r in rows], style,
-                            label=f"{v} seed {seed}")
-    for ax, title in zip(axes, ("training success (T=1)", "summaries holding every digit seen")):
-        ax.set_xlabel("actor update", fontsize=8)
+                    pts = [(x, r[key]) for x, r in zip(xs, rows) if isinstance(r.get(key), (int, float))]
+                    ax.plot([a for a, _ in pts], [b for _, b in pts], style, label=f"{v} seed {seed}")
+    titles = (("Training success (sampled at T=1)", "fraction of the step's rollouts"),
+              ("Summaries holding every digit seen so far", "fraction of the step's summaries"))
+    for ax, (title, ylabel) in zip(axes, titles):
+        if shade is not None:
+            ax.axvspan(*shade, color="0.85", zorder=0)
+        ax.set_xlabel("actor update" + (" (shaded: value pre-training)" if shade else ""), fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
@@ -319,6 +452,8 @@ def train(cfg: TrainConfig, *, resume: bool = True):
         from .train.plots import plot_run
 
         plot_run(cfg.run_dir)
+        if os.path.isfile(os.path.join(cfg.run_dir, "sft", "metrics.jsonl")):
+            plot_run(os.path.join(cfg.run_dir, "sft"))
         with _io.atomic_dir(os.path.join(cfg.run_dir, "actor")) as tmp:
             actor.save_pretrained(tmp)
             tok.save_pretrained(tmp)

@@ -1,4 +1,4 @@
-"""PackedBatch and pack(): rollouts -> the flat layout the ops and the trainer read (SPEC section 3).
+"""PackedBatch and pack(): rollouts -> the flat layout the ops and the trainer read (docs/layout.md).
 
 Alignment: the log-prob of token t is predicted from position t-1 of the same attention sequence; a
 trainable token is never the first token of an attention sequence (pack checks it).

@@ -49,7 +49,7 @@ def make_mask(n: int, kind: str, gen: torch.Generator) -> torch.Tensor:
 
 
 def packed_batch(case, *, seed: int = 0, index_dtype=torch.int32, device="cpu"):
-    """Build the SPEC layout for a case: rewards, values, loss_mask [T], cu_seqlens [S+1], cu_segments [R+1]."""
+    """Build the packed layout (docs/layout.md) for a case: rewards, values, loss_mask [T], cu_seqlens [S+1], cu_segments [R+1]."""
     gen = torch.Generator().manual_seed(seed)
     masks, seq, segs = [], [0], [0]
     for rollout in case:

@@ -1,5 +1,5 @@
 """The built-in memory task: facts revealed early are needed for the final answer, so an agent succeeds
-across compactions only if its summaries carry them (DEMO-NOTES.md).
+across compactions only if its summaries carry them (docs/demo.md).
 
 One turn: the agent says "next"; the observation is "digit i d" (the i-th of N digits) plus filler words.
 After the N digits (and any blank turns) the observation is "done" and the agent must reply
@@ -98,7 +98,7 @@ class MemoryEnv:
 
 def summary_correct(rollout) -> list:
     """For each summary of a memory-task rollout: does it list exactly the digits revealed before it, in
-    order ("seen d_1 ... d_m")? A diagnostic of what the summaries carry (DEMO-NOTES' summary accuracy).
+    order ("seen d_1 ... d_m")? A diagnostic of what the summaries carry (the demo's summary recall).
 
     The digits come from the rollout's reset seed (the first draws of the seed's RNG, whatever n_digits).
     """

@@ -3,7 +3,7 @@
 Trainers keep one response per row, right-padded to `L`, with a response mask that is 1 on
 policy-generated tokens (0 on prompts, tool observations and padding). With context compaction one
 rollout spans several rows, one per segment (execution windows and summaries). `packed_layout` maps
-such a batch to the packed layout of SPEC section 3: the rows of one rollout become consecutive
+such a batch to the packed layout (docs/layout.md): the rows of one rollout become consecutive
 segments in chronological order, and only the kept tokens (by default the trainable ones) are packed.
 `PackedLayout.pack` gathers `[B, L, ...] -> [T, ...]`, `PackedLayout.unpack` scatters back; both are
 differentiable, so per-token log-probs with gradients can go through them.

@@ -9,7 +9,7 @@
   `openrlhf.models.loss.PolicyLoss` / `ValueLoss` and the same outputs, computed by the fused ops.
 
 Semantics where they differ from OpenRLHF: OpenRLHF's GAE zeroes the values and rewards of masked
-positions and still steps through them; this one skips them (SPEC: observation tokens are not steps).
+positions and still steps through them; this one skips them (docs/method.md: observation tokens are not steps).
 On right-padded single-turn responses (a contiguous mask) both give the same numbers.
 """
 from __future__ import annotations

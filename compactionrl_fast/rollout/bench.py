@@ -1,4 +1,4 @@
-"""Rollout throughput of an engine on the built-in memory task (DEMO-NOTES-sized model by default).
+"""Rollout throughput of an engine on the built-in memory task (the demo's model size by default, docs/demo.md).
 
     python -m compactionrl_fast.rollout.bench --threads 1 --expert-warmup 300 --repeats 5
 

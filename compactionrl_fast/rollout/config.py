@@ -1,4 +1,4 @@
-"""RolloutConfig: the compaction runtime's knobs, with the paper's defaults (SPEC section 2)."""
+"""RolloutConfig: the compaction runtime's knobs, with the paper's defaults (docs/method.md, "Compaction")."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace

@@ -1,4 +1,4 @@
-"""The batched compaction loop (SPEC section 2): generate -> observe -> after each complete turn, compact
+"""The batched compaction loop (docs/method.md, "Compaction"): generate -> observe -> after each complete turn, compact
 when C - |h_t| < T_comp -> rebuild -> ... for many rollouts at once.
 
 Every round sends one generation request per unfinished rollout (its next response, or its summary) to the

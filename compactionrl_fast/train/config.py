@@ -106,7 +106,7 @@ class TrainConfig:
 
 
 def demo_config(**overrides) -> TrainConfig:
-    """The CPU demo (DEMO-NOTES.md, retuned here): tiny model, SFT warm start on an expert whose summaries
+    """The CPU demo (docs/demo.md): tiny model, SFT warm start on an expert whose summaries
     drop the oldest digit 60% of the time, then 64 rollouts a step in 2 actor mini-batches, lr 3e-4/1e-3."""
     cfg = TrainConfig(
         # "auto": 2 threads are ~1.65x faster on the idle 2-core machine, 2-7x slower when it is shared
@@ -268,6 +268,109 @@ def validate(cfg):
 
 
 # ----------------------------------------------------------------------------------------------
+# help: one line per field, allowed values first (the CLI's --help, `train --help-config`, docs/config.md)
+
+HELP = {
+    # TrainConfig
+    "seed": "seed of the model initialisation, the training tasks and the sampling",
+    "run_dir": "folder of config.json, metrics.jsonl, checkpoint.pt, actor/ and plots/",
+    "device": "auto | cpu | cuda: where the models train (auto: cuda when available)",
+    "threads": "torch CPU threads: 0 keeps torch's default (usually one per core), N uses N, 'auto' times steps at 1 and "
+               "at all cores every minute and keeps the faster count (the numbers do not change)",
+    "rollouts_per_step": "rollouts in the global batch of a step (all ranks together; divisible by the ranks)",
+    "group_size": "rollouts per task; 1: no group baseline, the critic is the baseline",
+    "micro_batch_tokens": "packed tokens per forward pass (gradient accumulation); whole rollouts per chunk",
+    "steps": "actor updates (PPO steps after value pre-training)",
+    "value_pretrain_steps": "critic-only steps before the first actor update",
+    "critic_updates_per_step": "critic optimiser steps per PPO step, all on the same returns",
+    "ppo_epochs": "passes of actor updates over each batch",
+    "ppo_minibatches": "actor optimiser steps per pass (the batch's rollouts split evenly)",
+    "actor_lr": "Adam learning rate of the actor",
+    "critic_lr": "Adam learning rate of the critic",
+    "adam_betas": "Adam betas (beta1, beta2) of both optimisers",
+    "adam_eps": "Adam epsilon of both optimisers",
+    "weight_decay": "Adam weight decay of both optimisers",
+    "max_grad_norm": "gradient-norm clip of both models; null: no clipping",
+    "gamma": "discount in [0, 1] (the paper: 1)",
+    "lam": "GAE lambda: a float in [0, 1], or 'adaptive' = 1 - 1/(adaptive_alpha * l), l the trainable "
+           "tokens of the rollout or segment (adaptive_length)",
+    "adaptive_alpha": "alpha > 0 of the adaptive lambda",
+    "adaptive_length": "rollout | segment: which trainable-token count the adaptive lambda uses",
+    "lam_critic": "lambda of the critic's returns (1: Monte-Carlo returns at gamma=1); null: the advantages' lambda",
+    "cross_segment": "paper | none | stitched: GAE across a rollout's segments. paper: each segment's GAE "
+                     "scaled by (gamma*lam)^N, N = trainable tokens in later segments; none: unscaled "
+                     "(ablation); stitched: one exact GAE over the rollout's segments",
+    "clip_low": "PPO ratio clip below: ratios under 1 - clip_low are clipped",
+    "clip_high": "PPO ratio clip above: ratios over 1 + clip_high are clipped (the paper: 0.28)",
+    "dual_clip": "dual-clip constant c > 1 for negative advantages; null: off",
+    "tis_cap": "cap of the truncated importance weight on the sampler/trainer log-prob mismatch; null: off",
+    "value_clip": "value-loss clip eps (PPO-style, around the old values); null: unclipped",
+    "loss_reduction": "token-mean | segment-mean | rollout-mean | sum: how the policy loss averages tokens. "
+                      "token-mean: over all trainable tokens of the global batch (the paper); segment-mean: "
+                      "mean of per-segment means (ablation: w/o token-level loss)",
+    "train_summary_tokens": "true | false: false takes summary tokens out of the policy loss (ablation)",
+    "temperature": "rollout sampling temperature > 0; the trainer's log-probs use the same one",
+    "log_every": "write a metrics row every N steps",
+    "gap_every": "every N steps log the gap between the paper's and the stitched advantages (0: never)",
+    "eval_every": "evaluate every N actor updates (0: no evaluation during training)",
+    "eval_rollouts": "held-out tasks per evaluation",
+    "checkpoint_every": "write checkpoint.pt every N steps (0: only at the end)",
+    "progress": "true | false: progress bars",
+    "env": "keyword arguments of the built-in memory task (see env.*)",
+    "rollout": "keyword arguments of the rollout config over memory_config() (see rollout.*)",
+    # ModelConfig
+    "model.pretrained": "Hugging Face name or path of a pretrained causal LM; null: a fresh model of the sizes below",
+    "model.arch": "llama | qwen2: architecture of a fresh model",
+    "model.hidden_size": "hidden size of a fresh model",
+    "model.num_layers": "transformer layers of a fresh model",
+    "model.num_heads": "attention heads of a fresh model",
+    "model.intermediate_size": "MLP width of a fresh model",
+    "model.max_positions": "maximum positions of a fresh model (>= the rollout budget)",
+    "model.tie_embeddings": "true | false: tie input embeddings and LM head",
+    "model.dtype": "float32 | bfloat16: dtype of the weights in training",
+    # SFTConfig
+    "sft.steps": "SFT optimiser steps before RL (0: no SFT)",
+    "sft.rollouts_per_step": "fresh expert demonstrations per step (all ranks together)",
+    "sft.lr": "peak AdamW learning rate",
+    "sft.warmup_steps": "linear warm-up steps",
+    "sft.min_lr_ratio": "cosine decay ends at lr * min_lr_ratio",
+    "sft.weight_decay": "AdamW weight decay",
+    "sft.max_grad_norm": "gradient-norm clip",
+    "sft.expert_drop_p": "probability that the scripted expert's summary drops the oldest digit",
+}
+
+# CLI placeholders where the default's type does not say what is allowed
+METAVAR = {"device": "{auto,cpu,cuda}", "threads": "{0,N,auto}", "lam": "{FLOAT,adaptive}",
+           "adaptive_length": "{rollout,segment}", "lam_critic": "{FLOAT,null}", "cross_segment": "{paper,none,stitched}",
+           "dual_clip": "{FLOAT,null}", "tis_cap": "{FLOAT,null}", "value_clip": "{FLOAT,null}",
+           "max_grad_norm": "{FLOAT,null}", "loss_reduction": "{token-mean,segment-mean,rollout-mean,sum}",
+           "train_summary_tokens": "{true,false}", "progress": "{true,false}"}
+
+# keys of the dict sections: the memory task's constructor and the rollout config (documented there)
+ENV_HELP = {
+    "env.n_digits": "digits to remember, 1..9",
+    "env.n_fillers": "filler words per observation (longer observations compact sooner)",
+    "env.n_blank": "extra turns without a digit, at random places",
+}
+ROLLOUT_HELP = {
+    "rollout.budget": "working-context budget C in tokens",
+    "rollout.compact_threshold": "T_comp: compact after a turn when budget - context < T_comp",
+    "rollout.keep_recent_turns": "k: last turns kept after a compaction (lowered until the context fits)",
+    "rollout.max_compactions": "summaries per rollout at most; then a full context truncates the rollout",
+    "rollout.max_response_tokens": "cap of one response",
+    "rollout.max_turns": "turns per rollout at most (then truncated)",
+    "rollout.summary_max_tokens": "cap of one summary (null: max_response_tokens)",
+    "rollout.summary_instruction": "the instruction that asks for a summary",
+    "rollout.resume_template": "the rebuilt context's user message; holds {task} and {summary}",
+    "rollout.truncation_marker": "text appended to an observation cut to fit the budget",
+    "rollout.top_p": "nucleus sampling threshold in (0, 1]",
+    "rollout.truncated_reward": "final reward of a truncated rollout (null: the environment's reward so far)",
+    "rollout.error_reward": "final reward of a rollout whose environment raised",
+    "rollout.stop_token_ids": "extra stop token ids",
+}
+
+
+# ----------------------------------------------------------------------------------------------
 # loading
 
 
@@ -358,14 +461,16 @@ def add_arguments(parser: argparse.ArgumentParser, base: TrainConfig) -> None:
     """`--config FILE`, `--set KEY=VALUE` (repeatable) and a flag per top-level scalar field."""
     parser.add_argument("--config", help="YAML file with config fields (applied before the flags)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="any field, dotted for sections: --set sft.steps=500 --set env.n_digits=8")
+                        help="any field, dotted for sections: --set sft.steps=500 --set env.n_digits=8 "
+                             "(all keys: --help-config or docs/config.md); VALUE is read as YAML")
     for f in dataclasses.fields(base):
         default = getattr(base, f.name)
         if dataclasses.is_dataclass(default) or isinstance(default, (dict, tuple)):
             continue
         parser.add_argument("--" + f.name.replace("_", "-"), dest="cfg_" + f.name, default=None,
-                            metavar=type(default).__name__.upper() if default is not None else "VALUE",
-                            help=f"(default: {default})")
+                            metavar=METAVAR.get(f.name, type(default).__name__.upper() if default is not None
+                                                else "VALUE"),
+                            help=f"{HELP.get(f.name, '')} (default: {default})".lstrip())
 
 
 def from_args(args: argparse.Namespace, base: TrainConfig) -> TrainConfig:

@@ -1,6 +1,6 @@
 """Per-step training diagnostics the paper does not report.
 
-All functions read the packed layout (SPEC section 3) plus per-token advantages/values/returns [T] and
+All functions read the packed layout (docs/layout.md) plus per-token advantages/values/returns [T] and
 return flat dicts of floats (lists for histograms and deciles) ready for the JSONL log.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def summary_index(batch, roll):
 def cross_segment_factors(batch, cfg, n=None, roll=None):
     """The paper's per-segment advantage factor (gamma*lam_s)^N_{>s} [S] float64, for the histogram.
 
-    Mirrors the definition in SPEC section 4 (not used for training: the advantages come from
+    Mirrors the definition in docs/method.md (not used for training: the advantages come from
     `segment_gae`); 1 everywhere for cross_segment "none"/"stitched".
     """
     if n is None:

@@ -1,0 +1,108 @@
+"""The command line's help: allowed values in every option, every config key documented (and
+docs/config.md in step with the dataclasses), `bench` from outside the checkout.
+
+`python -m tests.test_cli --update` rewrites the generated table of docs/config.md."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from compactionrl_fast import cli
+from compactionrl_fast.demo import replace_block
+from compactionrl_fast.train.config import HELP, TrainConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_MD = os.path.join(ROOT, "docs", "config.md")
+
+
+def _help(command, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+
+@pytest.mark.parametrize("command", ["train", "demo", "ablations"])
+def test_help_lists_allowed_values(command, capsys):
+    out = _help(command, capsys)
+    for text in ("paper | none | stitched", "token-mean | segment-mean | rollout-mean | sum", "'adaptive'",
+                 "0 keeps torch's default", "--help-config", "rollout | segment"):
+        assert text in out, text
+
+
+def test_every_config_key_has_help():
+    keys = [k for k, *_ in cli.config_rows()]
+    assert len(keys) == len(set(keys))
+    missing = [k for k, _, _, _, h in cli.config_rows() if not h]
+    assert not missing, f"config keys without help in train/config.py HELP: {missing}"
+    # every dataclass field is listed, and HELP names no field that does not exist
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields |= {f"{s}.{f.name}" for s in ("model", "sft") for f in dataclasses.fields(getattr(TrainConfig(), s))}
+    assert fields - {"model", "sft"} <= set(keys)
+    assert set(HELP) <= set(keys)
+
+
+def test_help_config_prints_every_key(capsys):
+    assert cli.main(["train", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    for k, *_ in cli.config_rows():
+        assert f"\n{k} " in out, k
+
+
+def _config_md(text: str) -> str:
+    return replace_block(text, "config", cli.config_reference(markdown=True))
+
+
+def test_docs_config_table_is_current():
+    text = open(CONFIG_MD).read()
+    assert _config_md(text) == text, "docs/config.md is out of date: python -m tests.test_cli --update"
+
+
+def test_bench_runs_from_another_directory(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-m", "compactionrl_fast", "bench", "--help"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "usage" in p.stdout and "benchmarks" in p.stdout
+
+
+def test_unknown_command_lists_commands(capsys):
+    assert cli.main(["nope"]) == 2
+    out = capsys.readouterr().out
+    assert all(c in out for c in cli.COMMANDS)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--update"]:
+        print(__doc__)
+        raise SystemExit(2)
+    text = open(CONFIG_MD).read()
+    with open(CONFIG_MD, "w") as f:
+        f.write(_config_md(text))
+    print(f"wrote {CONFIG_MD}")
+
+
+def test_demo_writes_under_run_dir_and_record_updates_results_and_readme(tmp_path, monkeypatch):
+    from compactionrl_fast import demo
+
+    from .train._tiny import tiny_train_config
+
+    # a stand-in checkout: README with a demo block, benchmarks/results/
+    root = tmp_path / "checkout"
+    (root / "benchmarks" / "results").mkdir(parents=True)
+    (root / "README.md").write_text("intro\n<!-- demo:start -->\nold numbers\n<!-- demo:end -->\nrest\n")
+    monkeypatch.setattr(demo, "_checkout_root", lambda: str(root))
+    cfg = tiny_train_config(tmp_path / "runs")
+    res = demo.run(cfg, seeds=[0], ablation_seeds=[], eval_rollouts=4, argv=["demo", "--tiny"], record=True)
+    for ext in ("json", "md", "png"):  # under the run dir, and recorded
+        assert (tmp_path / "runs" / f"demo_cpu.{ext}").is_file()
+        assert (root / "benchmarks" / "results" / f"demo_cpu.{ext}").is_file()
+    assert (tmp_path / "runs" / "seed0" / "sft" / "plots" / "sft.png").is_file()
+    readme = (root / "README.md").read_text()
+    assert "old numbers" not in readme and readme.startswith("intro\n") and readme.endswith("<!-- demo:end -->\nrest\n")
+    assert f"git `{res['machine']['git']}`" in readme and "torch " in readme and "| 0 |" in readme
+    assert res["versions"]["packages"]["torch"] and res["versions"]["python"]

@@ -1,4 +1,4 @@
-"""Triton kernels for `segment_gae` (SPEC section 4): segmented reverse GAE over packed rollouts.
+"""Triton kernels for `segment_gae` (docs/ops.md): segmented reverse GAE over packed rollouts.
 
 Every token acts on the state carried backwards, (a, v, ac) = A and V of the nearest later trainable
 token and A of the returns' recurrence, as an affine map (the math of csrc/common/gae_step.h):

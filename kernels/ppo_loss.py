@@ -1,4 +1,4 @@
-"""Triton kernels of `ppo_policy_loss` (SPEC section 4): one fused pass writes the per-token gradient
+"""Triton kernels of `ppo_policy_loss` (docs/ops.md): one fused pass writes the per-token gradient
 (times its reduction weight) and per-block partial sums of the loss and the metrics; a second tiny pass
 adds the partials in block order, so results are bitwise deterministic (no float atomics).
 

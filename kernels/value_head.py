@@ -1,4 +1,4 @@
-"""Triton kernels of `value_head` (SPEC section 4): values[T] = hidden[T, H] @ weight[H] + bias with float32
+"""Triton kernels of `value_head` (docs/ops.md): values[T] = hidden[T, H] @ weight[H] + bias with float32
 accumulation for bf16/fp16/fp32 hidden, and its backward, which reads `hidden` once to produce both
 d_hidden and d_weight. d_weight is reduced deterministically: a fixed grid of programs writes per-program
 partial rows [P, H], which a second pass adds in program order (no float atomics).

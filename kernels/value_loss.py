@@ -1,4 +1,4 @@
-"""Triton kernels of `value_loss` (SPEC section 4): one fused pass writes the per-token gradient (times
+"""Triton kernels of `value_loss` (docs/ops.md): one fused pass writes the per-token gradient (times
 its reduction weight) and per-block partials of the loss and the metrics; a second tiny pass combines the
 partials in block order (no float atomics, bitwise deterministic).
 

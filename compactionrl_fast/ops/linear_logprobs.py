@@ -1,4 +1,4 @@
-"""`linear_logprobs`: log-probs and entropy of the LM head's softmax without [T, V] logits (SPEC section 4).
+"""`linear_logprobs`: log-probs and entropy of the LM head's softmax without [T, V] logits (docs/ops.md).
 
 The tokens are processed in chunks of C rows: the logits `hidden_c @ W.T + b` of a chunk go into one
 [C, V] buffer (a BLAS / cuBLAS matmul), then the per-row softmax work on z = logits / temperature runs

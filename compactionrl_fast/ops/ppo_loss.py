@@ -1,5 +1,5 @@
 """`ppo_policy_loss`: the masked clipped-PPO policy loss over packed tokens, forward and backward fused
-(SPEC section 4).
+(docs/ops.md).
 
 Backends: "triton" (kernels/ppo_loss.py, wrapped as the custom op `compactionrl_fast::ppo_policy_loss_triton`),
 "cuda" and "cpp" (csrc/, op `compactionrl_fast::ppo_policy_loss`), "torch" (the float64 reference).

@@ -1,5 +1,5 @@
 """`value_head` and `value_head_loss`: the critic's scalar head over packed hidden states, and the head
-followed by the value loss (SPEC section 4).
+followed by the value loss (docs/ops.md).
 
 Backends: "triton" (kernels/value_head.py), "cpp" (csrc/cpu/value_head.cpp: row dot products, the
 backward in one pass over `hidden`) and "torch" (matmuls, in row chunks for bf16/fp16 so that no float32

@@ -1,5 +1,5 @@
 """`value_loss`: the masked (clipped) value loss over packed tokens, forward and backward fused
-(SPEC section 4).
+(docs/ops.md).
 
 Backends: "triton" (kernels/value_loss.py, custom op `compactionrl_fast::value_loss_triton`), "cuda" and
 "cpp" (csrc/, op `compactionrl_fast::value_loss`), "torch" (the float64 reference). As for the policy

@@ -1,4 +1,4 @@
-"""Naive PyTorch oracle for `segment_gae` and `place_final_rewards` (SPEC section 4).
+"""Naive PyTorch oracle for `segment_gae` and `place_final_rewards` (docs/ops.md).
 
 Python loops over rollouts, segments and tokens in float64: slow and obviously right. Every backend is
 tested against these functions and benchmarked against them.

@@ -1,4 +1,4 @@
-"""Naive PyTorch oracle for `linear_logprobs` (SPEC section 4): the full [T, V] logits in float64.
+"""Naive PyTorch oracle for `linear_logprobs` (docs/ops.md): the full [T, V] logits in float64.
 
 Differentiable by plain autograd, so the tests take its gradients as the truth. `naive_linear_logprobs`
 is the same composition in the inputs' dtype, the way a trainer writes it: the benchmark baseline and

@@ -1,4 +1,4 @@
-"""Naive PyTorch oracles for `ppo_policy_loss`, `value_loss` and `value_head` (SPEC section 4), and the
+"""Naive PyTorch oracles for `ppo_policy_loss`, `value_loss` and `value_head` (docs/ops.md), and the
 padded-batch formulations of common PPO trainers they are checked against.
 
 Float64, per-token math written out, reductions looped over segments and rollouts: slow and obviously

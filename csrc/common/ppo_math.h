@@ -3,7 +3,7 @@
 // exercise the CUDA arithmetic too. Everything is branch-free float32 so the CPU loops vectorise: both
 // sides of every select are computed first (with the default -ftrapping-math, gcc does not if-convert
 // a select whose arm does float arithmetic, and a loop with control flow is not vectorised).
-// Semantics: SPEC section 4 and compactionrl_fast/reference/losses.py.
+// Semantics: docs/ops.md and compactionrl_fast/reference/losses.py.
 #pragma once
 #include <cstdint>
 #include <cstring>

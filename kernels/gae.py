@@ -24,6 +24,8 @@ Accumulation is float64: with float32 the worst error against the float64 refere
 segments is 2.2e-6 relative to 1 + |ref| (tolerance 2e-6), float64 gives 6e-8 (float32 output rounding).
 The op is memory-bound; float64 arithmetic is cheap on A100/H100/H200, not on consumer GPUs.
 """
+import os
+
 import numpy as np
 import torch
 import triton
@@ -122,36 +124,17 @@ def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, start_ptr, lam_ptr, out_ptr, S,
 
 
 @triton.jit
-def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, cb_ptr, seg_ptr, gl_ptr, glc_ptr, scale_ptr, reset_ptr,
-                      gamma_hi, gamma_lo, carry_ptr, summary_ptr, adv_ptr, ret_ptr, n_chunks,
-                      BLOCK: tl.constexpr, WRITE: tl.constexpr, OWN_CRITIC: tl.constexpr, HAS_START: tl.constexpr):
-    """One chunk [cb[c], cb[c+1]) backwards, BLOCK tokens at a time; blocks may span segments.
-
-    WRITE=False (phase 1): store the chunk's composed map to `summary` [8, n_chunks] float64.
-    WRITE=True (phase 3): start from `carry` [3, n_chunks] float64 (a, v, ac) and write adv, ret [T].
-    """
-    pid = tl.program_id(0).to(tl.int64)
-    if WRITE:
-        # reversed chunk order: the data phase 1 read last is the likeliest to still be in L2
-        i_c = n_chunks - 1 - pid
-    else:
-        i_c = pid
-    lo, hi = tl.load(cb_ptr + i_c), tl.load(cb_ptr + i_c + 1)
-    # segments s_lo..s_hi overlap the chunk; n_bisect = ceil(log2(s_hi - s_lo + 1))
-    s_lo, s_hi = tl.load(seg_ptr + i_c), tl.load(seg_ptr + n_chunks + i_c)
-    n_bisect = tl.load(seg_ptr + 2 * n_chunks + i_c)
-    gamma = tl.zeros([1], ACC) + gamma_hi + gamma_lo
+def _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
+               lo, hi, s_lo, s_hi, n_bisect, gamma, a_c, v_c, ac_c,
+               BLOCK: tl.constexpr, WRITE: tl.constexpr, OWN_CRITIC: tl.constexpr, HAS_START: tl.constexpr):
+    """Tokens [lo, hi) backwards, BLOCK at a time; blocks may span segments s_lo..s_hi (n_bisect = bits of
+    s_hi - s_lo). WRITE=False: returns the range's composed map (xa, ya, pa, z, q, xc, yc, pc), see `_compose`.
+    WRITE=True: runs from the carry (a_c, v_c, ac_c) at hi and writes adv, ret."""
     o_b = tl.arange(0, BLOCK)
-    o_1 = tl.arange(0, 1)
-    # the scans' last lane holds the map of the whole block (lanes before the chunk are identities)
+    # the scans' last lane holds the map of the whole block (lanes before the range are identities)
     i_last = tl.full([1], BLOCK - 1, tl.int32)
     one = tl.full([1], 1.0, ACC)
-    if WRITE:
-        a_c = tl.load(carry_ptr + i_c + o_1)
-        v_c = tl.load(carry_ptr + n_chunks + i_c + o_1)
-        ac_c = tl.load(carry_ptr + 2 * n_chunks + i_c + o_1)
-    else:  # the chunk's map so far, starting from the identity
-        m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc = one, one * 0, one * 0, one, one * 0, one, one * 0, one * 0
+    m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc = one, one * 0, one * 0, one, one * 0, one, one * 0, one * 0
     for i_b in range((hi - lo + BLOCK - 1) // BLOCK):
         e = hi - i_b * BLOCK
         o_t = e - 1 - o_b  # reversed: lane 0 is the block's last token
@@ -208,6 +191,39 @@ def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, cb_ptr, 
             m_xc, m_yc, m_pc = g_xc * m_xc, g_xc * m_yc + g_yc * m_z, g_xc * m_pc + g_yc * m_q + g_pc
             m_xa, m_ya, m_pa = g_xa * m_xa, g_xa * m_ya + g_ya * m_z, g_xa * m_pa + g_ya * m_q + g_pa
             m_z, m_q = g_z * m_z, g_z * m_q + g_q
+    return m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc
+
+
+@triton.jit
+def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, cb_ptr, seg_ptr, gl_ptr, glc_ptr, scale_ptr,
+                      reset_ptr, gamma_hi, gamma_lo, carry_ptr, summary_ptr, adv_ptr, ret_ptr, n_chunks,
+                      BLOCK: tl.constexpr, WRITE: tl.constexpr, OWN_CRITIC: tl.constexpr, HAS_START: tl.constexpr):
+    """One chunk [cb[c], cb[c+1]) backwards (`_tile_pass`).
+
+    WRITE=False (phase 1): store the chunk's composed map to `summary` [8, n_chunks] float64.
+    WRITE=True (phase 3): start from `carry` [3, n_chunks] float64 (a, v, ac) and write adv, ret [T].
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    if WRITE:
+        # reversed chunk order: the data phase 1 read last is the likeliest to still be in L2
+        i_c = n_chunks - 1 - pid
+    else:
+        i_c = pid
+    lo, hi = tl.load(cb_ptr + i_c), tl.load(cb_ptr + i_c + 1)
+    # segments s_lo..s_hi overlap the chunk; n_bisect = ceil(log2(s_hi - s_lo + 1))
+    s_lo, s_hi = tl.load(seg_ptr + i_c), tl.load(seg_ptr + n_chunks + i_c)
+    n_bisect = tl.load(seg_ptr + 2 * n_chunks + i_c)
+    gamma = tl.zeros([1], ACC) + gamma_hi + gamma_lo
+    o_1 = tl.arange(0, 1)
+    if WRITE:
+        a_c = tl.load(carry_ptr + i_c + o_1)
+        v_c = tl.load(carry_ptr + n_chunks + i_c + o_1)
+        ac_c = tl.load(carry_ptr + 2 * n_chunks + i_c + o_1)
+    else:
+        a_c, v_c, ac_c = tl.zeros([1], ACC), tl.zeros([1], ACC), tl.zeros([1], ACC)
+    m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc = _tile_pass(
+        rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
+        lo, hi, s_lo, s_hi, n_bisect, gamma, a_c, v_c, ac_c, BLOCK, WRITE, OWN_CRITIC, HAS_START)
     if not WRITE:
         p_s = summary_ptr + i_c + o_1
         tl.store(p_s, m_xa)
@@ -218,6 +234,93 @@ def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, cb_ptr, 
         tl.store(p_s + 5 * n_chunks, m_xc)
         tl.store(p_s + 6 * n_chunks, m_yc)
         tl.store(p_s + 7 * n_chunks, m_pc)
+
+
+@triton.jit
+def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, S, gl_ptr, glc_ptr, scale_ptr, reset_ptr,
+                         gamma_hi, gamma_lo, ws_ptr, agg_ptr, incl_ptr, adv_ptr, ret_ptr, n_tiles, LOG_S,
+                         TILE: tl.constexpr, BLOCK: tl.constexpr, OWN_CRITIC: tl.constexpr, HAS_START: tl.constexpr):
+    """Single-pass reverse scan with decoupled look-back (the mirror of the CUB/Merrill-Garland scheme).
+
+    Tiles of TILE tokens are taken in a dynamic order from an atomic counter (ws[0]), last tile first, so a
+    tile waits only on tiles that already started. Each tile publishes its composed map (agg, flag 1), looks
+    towards later tiles for its carry (composing their maps until a tile with a published inclusive
+    state, flag 2), publishes its own inclusive state, then writes its tokens from that carry.
+    ws: int32 [1 + n_tiles] zeros (counter, flags); agg: float64 [8, n_tiles]; incl: float64 [3, n_tiles].
+    """
+    vid = tl.atomic_add(ws_ptr, 1).to(tl.int64)
+    i = n_tiles - 1 - vid
+    lo = i * TILE
+    hi = tl.minimum(lo + TILE, T)
+    # segments holding the tile's first and last tokens: the largest s with cu[s] <= t (bisection on [0, S))
+    s_lo, s_lo_hi, s_hi, s_hi_hi = lo * 0, lo * 0 + S - 1, lo * 0, lo * 0 + S - 1
+    for _ in range(LOG_S):
+        mid = (s_lo + s_lo_hi + 1) // 2
+        le = tl.load(cu_ptr + mid).to(tl.int64) <= lo
+        s_lo, s_lo_hi = tl.where(le, mid, s_lo), tl.where(le, s_lo_hi, mid - 1)
+        mid = (s_hi + s_hi_hi + 1) // 2
+        le = tl.load(cu_ptr + mid).to(tl.int64) <= hi - 1
+        s_hi, s_hi_hi = tl.where(le, mid, s_hi), tl.where(le, s_hi_hi, mid - 1)
+    w = s_hi - s_lo
+    n_bisect = tl.where(w > 0, tl.floor(tl.log2(tl.maximum(w, 1).to(tl.float32))).to(tl.int64) + 1, 0)
+    gamma = tl.zeros([1], ACC) + gamma_hi + gamma_lo
+    zero = tl.zeros([1], ACC)
+    o_1 = tl.arange(0, 1)
+    m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc = _tile_pass(
+        rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
+        lo, hi, s_lo, s_hi, n_bisect, gamma, zero, zero, zero, BLOCK, False, OWN_CRITIC, HAS_START)
+    if not OWN_CRITIC:
+        m_xc, m_yc, m_pc = m_xa, m_ya, m_pa
+    flag = ws_ptr + 1
+    # publish the aggregate
+    p_a = agg_ptr + i + o_1
+    tl.store(p_a, m_xa)
+    tl.store(p_a + n_tiles, m_ya)
+    tl.store(p_a + 2 * n_tiles, m_pa)
+    tl.store(p_a + 3 * n_tiles, m_z)
+    tl.store(p_a + 4 * n_tiles, m_q)
+    tl.store(p_a + 5 * n_tiles, m_xc)
+    tl.store(p_a + 6 * n_tiles, m_yc)
+    tl.store(p_a + 7 * n_tiles, m_pc)
+    tl.debug_barrier()
+    tl.atomic_xchg(flag + i, 1, sem="release")
+    # look towards later tiles: carry = M[i+1](M[i+2](... (inclusive state of the first tile found)))
+    c_xa, c_ya, c_pa, c_z, c_q, c_xc, c_yc, c_pc = zero + 1.0, zero, zero, zero + 1.0, zero, zero + 1.0, zero, zero
+    a_c, v_c, ac_c = zero, zero, zero
+    j = i + 1
+    while j < n_tiles:
+        f = tl.atomic_add(flag + j, 0, sem="acquire")
+        while f == 0:  # tile j started before this one: it publishes soon
+            f = tl.atomic_add(flag + j, 0, sem="acquire")
+        if f == 2:
+            p_i = incl_ptr + j + o_1
+            s_a = tl.load(p_i, volatile=True)
+            s_v = tl.load(p_i + n_tiles, volatile=True)
+            s_ac = tl.load(p_i + 2 * n_tiles, volatile=True)
+            a_c = c_xa * s_a + c_ya * s_v + c_pa
+            v_c = c_z * s_v + c_q
+            ac_c = c_xc * s_ac + c_yc * s_v + c_pc
+            j = n_tiles
+        else:
+            p_j = agg_ptr + j + o_1
+            g_xa, g_ya, g_pa = tl.load(p_j, volatile=True), tl.load(p_j + n_tiles, volatile=True), tl.load(
+                p_j + 2 * n_tiles, volatile=True)
+            g_z, g_q = tl.load(p_j + 3 * n_tiles, volatile=True), tl.load(p_j + 4 * n_tiles, volatile=True)
+            g_xc, g_yc, g_pc = tl.load(p_j + 5 * n_tiles, volatile=True), tl.load(p_j + 6 * n_tiles, volatile=True), \
+                tl.load(p_j + 7 * n_tiles, volatile=True)
+            # the tiles so far (earlier) applied after tile j (later): _compose(M_j, C)
+            c_xa, c_ya, c_pa, c_z, c_q, c_xc, c_yc, c_pc = _compose(g_xa, g_ya, g_pa, g_z, g_q, g_xc, g_yc, g_pc,
+                                                                    c_xa, c_ya, c_pa, c_z, c_q, c_xc, c_yc, c_pc)
+            j += 1
+    # publish the inclusive state at the tile's first token: M_i(carry)
+    p_i = incl_ptr + i + o_1
+    tl.store(p_i, m_xa * a_c + m_ya * v_c + m_pa)
+    tl.store(p_i + n_tiles, m_z * v_c + m_q)
+    tl.store(p_i + 2 * n_tiles, m_xc * ac_c + m_yc * v_c + m_pc)
+    tl.debug_barrier()
+    tl.atomic_xchg(flag + i, 2, sem="release")
+    _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
+               lo, hi, s_lo, s_hi, n_bisect, gamma, a_c, v_c, ac_c, BLOCK, True, OWN_CRITIC, HAS_START)
 
 
 @triton.jit
@@ -256,6 +359,7 @@ BLOCK = 256             # tokens per block on GPU: 126 registers at 4 warps (512
 INTERPRET_BLOCK = 32768  # at most; the interpreter pays per operation, not per element: few, large blocks
 CARRY_BLOCK = 256       # chunk maps per block in phase 2
 PARAMS_BLOCK = 1024     # mask bytes per step of the per-rollout count
+LOOKBACK_TILE = 2048    # tokens per tile of the look-back plan (GPU)
 NUM_WARPS = 4
 
 
@@ -280,6 +384,13 @@ AOT_SPECS += [("_gae_chunk_kernel", dict(_sig(idx), **_CHUNK_SIG),
               for idx, write, own, start in [("i64", False, False, False), ("i64", False, True, False),
                                              ("i64", True, False, False), ("i64", True, True, False),
                                              ("i64", False, True, True), ("i64", True, True, True)]]
+_LOOKBACK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", mask_ptr="*u8", cu_ptr="*i64", shift_ptr="*i64", T="i64",
+                     S="i64", gl_ptr="*fp64", glc_ptr="*fp64", scale_ptr="*fp64", reset_ptr="*fp64", gamma_hi="fp32",
+                     gamma_lo="fp32", ws_ptr="*i32", agg_ptr="*fp64", incl_ptr="*fp64", adv_ptr="*fp32",
+                     ret_ptr="*fp32", n_tiles="i64", LOG_S="i32")
+AOT_SPECS += [("_gae_lookback_kernel", _LOOKBACK_SIG, {"TILE": LOOKBACK_TILE, "BLOCK": 256, "OWN_CRITIC": own,
+                                                       "HAS_START": start})
+              for own, start in [(True, False), (False, False), (True, True)]]
 AOT_SPECS += [("_gae_carry_kernel", {"summary_ptr": "*fp64", "carry_ptr": "*fp64", "n_chunks": "i64"},
                {"BLOCK": 256})]
 
@@ -324,15 +435,15 @@ def gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_cr
 
 
 def segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha,
-                    cross, lam_critic, seg_start=None, *, block=None, chunk=None):
+                    cross, lam_critic, seg_start=None, *, block=None, chunk=None, plan=None, tile=None):
     """Launch the segment_gae kernels on the tensors' device (arguments: `_segment_gae_fwd`)."""
     with device_guard(loss_mask):
         return _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode,
-                                alpha, cross, lam_critic, seg_start, block=block, chunk=chunk)
+                                alpha, cross, lam_critic, seg_start, block=block, chunk=chunk, plan=plan, tile=tile)
 
 
 def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha,
-                     cross, lam_critic, seg_start=None, *, block=None, chunk=None):
+                     cross, lam_critic, seg_start=None, *, block=None, chunk=None, plan=None, tile=None):
     """Launch the segment_gae kernels; arguments as `torch.ops.compactionrl_fast.segment_gae`.
 
     Args:
@@ -344,6 +455,9 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
             [cu[s], cu[s+1]) (segments placed anywhere in [0, T), e.g. the rows of a padded batch).
         block: tokens per block (power of two); chunk: tokens per chunk, 0 for one chunk per rollout;
             None picks both for the device.
+        plan: "lookback" (one launch: single-pass scan with decoupled look-back over tiles of `tile` tokens)
+            or None/"auto": the per-rollout or the 3-phase chunk plan (COMPACTIONRL_FAST_GAE_PLAN sets the
+            default; "auto" stays the default until a GPU measurement says otherwise).
 
     Returns:
         (advantages [T] float32, returns [T] float32), zero at non-trainable positions.
@@ -356,6 +470,21 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
     if not block:
         block = BLOCK if dev.type == "cuda" else min(INTERPRET_BLOCK, triton.next_power_of_2(max(T, 16)))
     cu, cs = sanitize_offsets(cu_seqlens, T), sanitize_offsets(cu_segments, S)  # unchecked on CUDA
+    mask = loss_mask.view(torch.uint8)
+    shift = cu if seg_start is None else seg_start - cu[:-1]  # placed segments: token t sits at t + shift[s]
+    own = lam_critic >= 0.0
+    if (plan or os.environ.get("COMPACTIONRL_FAST_GAE_PLAN", "auto")) == "lookback":
+        params = gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic, seg_start)
+        tile = tile or (LOOKBACK_TILE if dev.type == "cuda" else block)
+        n_tiles = triton.cdiv(T, tile)
+        ws = torch.zeros(1 + n_tiles, dtype=torch.int32, device=dev)  # tile counter, flags
+        agg = torch.empty(N_MAP, n_tiles, dtype=torch.float64, device=dev)
+        incl = torch.empty(3, n_tiles, dtype=torch.float64, device=dev)
+        _gae_lookback_kernel[(n_tiles,)](rewards, values, mask, cu, shift, T, S, *params.unbind(0), *_split(gamma),
+                                         ws, agg, incl, adv, ret, n_tiles, max(1, S.bit_length()), TILE=tile,
+                                         BLOCK=min(block, tile), OWN_CRITIC=own, HAS_START=seg_start is not None,
+                                         num_warps=NUM_WARPS)
+        return adv, ret
     cb, single = _plan(T, R, dev, chunk, block)
     if cb is None:  # one chunk per rollout
         cb = cu[cs]
@@ -366,12 +495,9 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
     w = (seg_hi - seg_lo).clamp(min=0)
     n_bisect = torch.where(w > 0, torch.floor(torch.log2(w.double().clamp(min=1))) + 1, 0).long()  # bits of w
     seg = torch.stack([seg_lo, seg_hi, n_bisect])
-    mask = loss_mask.view(torch.uint8)
     params = gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic, seg_start)
     gl, glc, scale, reset = params.unbind(0)
-    own = lam_critic >= 0.0
     carry = torch.zeros(3, n_chunks, dtype=torch.float64, device=dev)
-    shift = cu if seg_start is None else seg_start - cu[:-1]  # placed segments: token t sits at t + shift[s]
     args = (rewards, values, mask, cu, shift, T, cb, seg, gl, glc, scale, reset,
             *_split(gamma))
     flags = dict(BLOCK=block, OWN_CRITIC=own, HAS_START=seg_start is not None, num_warps=NUM_WARPS)

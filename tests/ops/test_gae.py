@@ -516,3 +516,37 @@ def test_placed_segments_bad_starts():
                 crf.segment_gae(x, x, m, b["cu_seqlens"], b["cu_segments"], seg_start=torch.tensor(starts), backend=backend)
     with pytest.raises(TypeError, match="seg_start"):
         crf.segment_gae(x, x, m, b["cu_seqlens"], b["cu_segments"], seg_start=torch.tensor([0, 3, 5], dtype=torch.int32))
+
+
+# ---------------------------------------------------------------- single-pass look-back plan (Triton)
+
+
+LOOKBACK_KW = {"paper": dict(lam="adaptive", adaptive_length="rollout"),
+               "none": dict(lam="adaptive", adaptive_length="segment", lam_critic=None),
+               "stitched": dict(lam=0.9, gamma=0.97, lam_critic=0.8)}
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton interpreter")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tile,case", [(16, "odd_lengths"), (64, "empty_segments"), (64, "random"),
+                                       (1 << 15, "long_multiblock")])
+def test_lookback_plan_matches_reference(monkeypatch, mode, tile, case):
+    """Tiles that start, end and split segments and rollouts; 1 to many tiles; every cross-segment mode,
+    adaptive lambda on both bases; placed segments on the random case."""
+    import functools
+
+    from compactionrl_fast.kernels import gae as kgae
+
+    monkeypatch.setattr(kgae, "segment_gae_fwd", functools.partial(kgae.segment_gae_fwd, plan="lookback", tile=tile,
+                                                                   block=min(tile, 4096)))
+    shape = random_case(4, n_rollouts=7, max_len=300) if case == "random" else SHAPE_TABLE[case]
+    b = packed_batch(shape, seed=3, index_dtype=torch.int64)
+    _check_backend("triton", b, cross_segment=mode, **LOOKBACK_KW[mode])
+    if case != "random":
+        return
+    rew, val, mask, start, where = _placed(b, 5)
+    got = crf.segment_gae(rew, val, mask, b["cu_seqlens"], b["cu_segments"], seg_start=start, cross_segment=mode,
+                          backend="triton")
+    want = crf.segment_gae(b["rewards"], b["values"], b["loss_mask"], b["cu_seqlens"], b["cu_segments"],
+                           cross_segment=mode, backend="torch")
+    torch.testing.assert_close(got[0][where], want[0], atol=2e-6, rtol=2e-6)

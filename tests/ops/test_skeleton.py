@@ -268,20 +268,22 @@ class _CountLaunches:
 
 
 @pytest.mark.skipif("triton" not in _dispatch.available(torch.device("cpu")), reason="needs the Triton interpreter")
-@pytest.mark.parametrize("chunk,cross,lam,want", [(0, "none", 0.9, 2), (0, "paper", "adaptive", 2),
-                                                  (None, "paper", "adaptive", 4)])
-def test_gae_triton_launch_count(monkeypatch, chunk, cross, lam, want):
+@pytest.mark.parametrize("chunk,cross,lam,want,plan", [(0, "none", 0.9, 2, None), (0, "paper", "adaptive", 2, None),
+                                                       (None, "paper", "adaptive", 4, None),
+                                                       (None, "paper", "adaptive", 2, "lookback")])
+def test_gae_triton_launch_count(monkeypatch, chunk, cross, lam, want, plan):
     """Kernel launches per call: the per-rollout plan is 2 (the per-segment numbers, the scan); the chunked
-    plan for few long rollouts is 4 (over the 3-launch target until the single-pass scan replaces it)."""
+    plan for few long rollouts is 4; the single-pass look-back plan is 2 (plus the zero fill of its flags)."""
     import functools
 
     from compactionrl_fast.kernels import gae as kgae
     from tests.utils import packed_batch
 
     log = []
-    for k in ("_gae_params_kernel", "_gae_chunk_kernel", "_gae_carry_kernel"):
+    for k in ("_gae_params_kernel", "_gae_chunk_kernel", "_gae_carry_kernel", "_gae_lookback_kernel"):
         monkeypatch.setattr(kgae, k, _CountLaunches(getattr(kgae, k), log))
-    monkeypatch.setattr(kgae, "segment_gae_fwd", functools.partial(kgae.segment_gae_fwd, chunk=chunk, block=32))
+    monkeypatch.setattr(kgae, "segment_gae_fwd", functools.partial(kgae.segment_gae_fwd, chunk=chunk, block=32,
+                                                                   plan=plan, tile=32))
     b = packed_batch([[(40, "rand"), (30, "rand")], [(50, "rand")]], index_dtype=torch.int64)
     adv, _ = crf.segment_gae(b["rewards"], b["values"], b["loss_mask"], b["cu_seqlens"], b["cu_segments"], lam=lam,
                              cross_segment=cross, backend="triton")

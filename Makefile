@@ -16,7 +16,7 @@ install:            ## venv, dependencies (versions from constraints.txt), and t
 	@echo "==> [3/4] dependencies: $(PIP_DEPS)"
 	$(PY) -m pip install $(PIN) $(PIP_DEPS)
 	@echo "==> [4/4] build of the C++ extension compactionrl_fast._C (compiler lines below; about 3 min on 2 cores)"
-	$(PY) -m pip install -v --no-deps --no-build-isolation -e . 2>&1 | sed -nE \
+	$(PY) -m pip install -v --no-deps --no-build-isolation -e . 2>&1 | sed -unE \
 	  -e '/compactionrl-fast setup|[Ee]rror|Successfully installed/p' -e 's#^(\[[0-9]+/[0-9]+\]) .* -c (/[^ ]+\.(cpp|cu)) .*#\1 \2#p'
 	$(PY) -c "import compactionrl_fast._C as c; print('==> done: compactionrl_fast._C built, WITH_CUDA =', c.WITH_CUDA)"
 

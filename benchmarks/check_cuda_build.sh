@@ -48,7 +48,7 @@ ln -sfn ../kernels "$SRC/compactionrl_fast/kernels"
 which nvcc && nvcc --version | tail -n 2
 if (cd "$SRC" && env -u CUDA_HOME -u CUDA_PATH COMPACTIONRL_FAST_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="$ARCHS" \
       MAX_JOBS="${MAX_JOBS:-2}" "$VENV/bin/python" -m pip install -v --no-deps --no-build-isolation -e . 2>&1 |
-    sed -nE -e '/compactionrl-fast setup|[Ee]rror|warning|Successfully installed/p' \
+    sed -unE -e '/compactionrl-fast setup|[Ee]rror|warning|Successfully installed/p' \
             -e 's#^(\[[0-9]+/[0-9]+\]) .* -c (/[^ ]+\.(cpp|cu)) .*#\1 \2#p'; exit "${PIPESTATUS[0]}"); then
   echo "PASS build"
 else

@@ -101,7 +101,6 @@ else
     record probe SKIP $((SECONDS - t0)) "no GPU"
     for s in build triton_tests aot op_kernels cuda_tests vllm bench; do record $s SKIP 0 "no GPU"; done
     finish "SKIP (no GPU)" 2
-  fi
   else
     record probe FAIL $((SECONDS - t0)) "torch/CUDA probe failed (exit $rc)"
     finish FAIL 1

@@ -163,3 +163,17 @@ def test_load_weights_sleep_wake(engine):
 
 def test_engine_module_imports_vllm_lazily():
     assert vllm_engine.vllm_available()
+
+
+def test_gpu_check_passes_only_keywords_vllm_accepts():
+    """tests/rollout/vllm_gpu_check.py (run where a GPU is lent) builds VLLMEngine with LLM keywords: all
+    must exist in this vLLM, or the one GPU run fails on a typo."""
+    import ast
+    import pathlib
+
+    src = pathlib.Path(__file__).parents[1] / "rollout" / "vllm_gpu_check.py"
+    calls = [n for n in ast.walk(ast.parse(src.read_text())) if isinstance(n, ast.Call)
+             and getattr(n.func, "id", None) == "VLLMEngine"]
+    assert calls, "vllm_gpu_check.py no longer builds a VLLMEngine"
+    used = {k.arg for c in calls for k in c.keywords if k.arg}
+    assert used and not used - _accepted_llm_keywords(), sorted(used - _accepted_llm_keywords())

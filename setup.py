@@ -86,18 +86,18 @@ def want_cuda():
         return False
     forced = flag in ("1", "true", "yes", "on")
     if not forced and flag != "auto":
-        raise SystemExit(f"COMPACTIONRL_FAST_BUILD_CUDA must be 0, 1 or auto, got {flag!r}")
+        raise SystemExit(f"compactionrl-fast setup: COMPACTIONRL_FAST_BUILD_CUDA must be 0, 1 or auto, got {flag!r}")
     if torch.version.cuda is None:
         msg = f"torch {torch.__version__} is not a CUDA build"
         if forced:
-            raise SystemExit(f"COMPACTIONRL_FAST_BUILD_CUDA=1 but {msg}; install a CUDA torch wheel")
+            raise SystemExit(f"compactionrl-fast setup: COMPACTIONRL_FAST_BUILD_CUDA=1 but {msg}; install a CUDA torch wheel")
         say(f"{msg}: building the CPU kernels only")
         return False
     home, tried = find_cuda_home()
     if home is None:
         msg = "no CUDA toolkit found (" + "; ".join(tried) + ")"
         if forced:
-            raise SystemExit(f"COMPACTIONRL_FAST_BUILD_CUDA=1 but {msg}; set CUDA_HOME to the toolkit folder")
+            raise SystemExit(f"compactionrl-fast setup: COMPACTIONRL_FAST_BUILD_CUDA=1 but {msg}; set CUDA_HOME to the toolkit folder")
         say(f"{msg}: building the CPU kernels only")
         return False
     # torch guessed its own CUDA_HOME at import (the parent of whatever `nvcc` is on PATH): use ours.

@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_check.sh                   # everything
 #   bash benchmarks/gpu_check.sh --rerun-failed [PREV.json]
 #                                                  # only what PREV failed (default: the last run's JSON, from
-#                                                  # $OUT, build/gpu-check/last.json or benchmarks/results/)
+#                                                  # $OUT, build/gpu-check/last.json or benchmarks/results/
+#                                                  # gpu_check.json: on a fresh machine, copy it there first)
 #
 # Needs only what the machine has: python3 with torch (a CUDA build), triton, pytest, nvcc; no network, nothing
 # installed (the extension is built in place, so an externally-managed system Python is no obstacle).
@@ -71,7 +72,7 @@ run_pytest() {
   timeout -k 5 "$lim" $PY -m pytest -q -p no:cacheprovider -rfEx --junitxml="$OUT/$stage.xml" "${targets[@]}" \
     > "$OUT/$stage.log" 2>&1
   rc=$?
-  local summary; summary=$(grep -E "(passed|failed|error|skipped|xfailed).* in [0-9.]+s" "$OUT/$stage.log" | tail -n 1)
+  local summary; summary=$(grep -E "(passed|failed|error|skipped|xfailed|deselected|no tests ran).* in [0-9.]+s" "$OUT/$stage.log" | tail -n 1)
   if [ $rc = 0 ] || [ $rc = 5 ]; then record "$stage" PASS $((SECONDS - t0)) "$summary"
   elif [ $rc = 124 ] || [ $rc = 137 ]; then record "$stage" FAIL $((SECONDS - t0)) "timeout after ${lim} s"
   else record "$stage" FAIL $((SECONDS - t0)) "$summary (log: $stage.log)"; grep -E "^(FAILED|ERROR)" "$OUT/$stage.log" | head -n 20
@@ -142,7 +143,8 @@ if [ -n "$build_pid" ]; then
     record build PASS $((SECONDS - build_t0)) "sm_${ARCH/./}, $(grep -m1 'compactionrl-fast setup: building' "$OUT/build.log" | cut -c1-150)"
   else
     build_ok=0
-    note=$([ $rc = 124 ] && echo "timeout" || grep -m1 -iE "error|compactionrl-fast setup" "$OUT/build.log" | cut -c1-200)
+    note=$([ $rc = 124 ] && echo "timeout" || grep -m1 -E "error|compactionrl-fast setup: (COMPACT|no CUDA|torch)" "$OUT/build.log" | cut -c1-200)
+    [ -z "$note" ] && note=$(tail -n 1 "$OUT/build.log" | cut -c1-200)
     record build FAIL $((SECONDS - build_t0)) "$note (log: build.log)"
     tail -n 15 "$OUT/build.log"
   fi
@@ -179,10 +181,10 @@ if [ "$(todo bench)" = none ]; then record bench SKIP 0 "passed last time"
 elif [ "$lim" -lt 20 ]; then record bench FAIL 0 "no time left (${lim} s)"
 elif TRITON_INTERPRET=0 timeout -k 5 "$lim" $PY -m benchmarks --quick --no-loops --device $DEV --budget 0.1 \
        --timeout $(( lim / 3 )) --no-charts --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1; then
-  record bench PASS $((SECONDS - t0)) "$(grep -m1 '^roofline' "$OUT/bench.log")"
+  record bench PASS $((SECONDS - t0)) "$(grep -a -m1 '^roofline' "$OUT/bench.log")"
 else
-  record bench FAIL $((SECONDS - t0)) "$(grep -E '^FAILED|timed out' "$OUT/bench.log" | head -n 3 | tr '\n' ';') (log: bench.log)"
+  record bench FAIL $((SECONDS - t0)) "$(grep -aE '^FAILED|timed out' "$OUT/bench.log" | head -n 3 | tr '\n' ';') (log: bench.log)"
 fi
-[ -f "$OUT/bench.json" ] && sed -n '/^roofline/,/^wrote/p' "$OUT/bench.log" | head -n 60
+[ "$(todo bench)" != none ] && [ -f "$OUT/bench.log" ] && sed -n '/^roofline/,/^wrote/p' "$OUT/bench.log" | head -n 60
 
 [ $status = 0 ] && finish PASS 0 || finish FAIL 1

@@ -56,7 +56,7 @@ test-integrations:  ## the adapters against the real verl and TRL, the vLLM engi
 	  PIP_FIND_LINKS= build/vllm-venv/bin/python -m pip install $(VLLM_SPEC) pytest==9.2.0; }
 	build/vllm-venv/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_vllm_api.py
 
-check-cuda-build:   ## (not in CI; about 6 GB, 15 min) CUDA torch wheel + nvcc: build for sm_80/sm_90, op kernels, CPU tests
+check-cuda-build:   ## (not in CI; about 6 GB, 30 min on 2 cores) CUDA torch wheel + nvcc: build for sm_80/sm_90, op kernels, CPU tests
 	bash benchmarks/check_cuda_build.sh
 
 demo:               ## the CPU demo: SFT, CompactionRL, ablation, plots

@@ -1,14 +1,24 @@
 # Everything runs inside .venv (made by `make install`).
 PY ?= .venv/bin/python
 PIP_DEPS = torch==2.13.0 triton numpy pytest pytest-benchmark transformers tokenizers tqdm pyyaml matplotlib ninja cmake
+# Every installed version is pinned by constraints.txt; `make install CONSTRAINTS=` drops the pins (e.g. where
+# the index gives the CUDA torch wheel, which needs its own triton).
+CONSTRAINTS ?= constraints.txt
+PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: install build test ctest bench bench-quick bench-rollout test-integrations demo clean
+.PHONY: install build test ctest bench bench-quick bench-rollout test-integrations check-cuda-build demo clean
 
-install:            ## venv, dependencies, and the C++ extension
+install:            ## venv, dependencies (versions from constraints.txt), and the C++ extension; about 8 min
+	@echo "==> [1/4] virtual environment .venv"
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(PIP_DEPS)
-	$(PY) -m pip install -q --no-build-isolation -e .
+	@echo "==> [2/4] pip itself"
+	$(PY) -m pip install $(PIN) --upgrade pip
+	@echo "==> [3/4] dependencies: $(PIP_DEPS)"
+	$(PY) -m pip install $(PIN) $(PIP_DEPS)
+	@echo "==> [4/4] build of the C++ extension compactionrl_fast._C (compiler lines below; about 3 min on 2 cores)"
+	$(PY) -m pip install -v --no-deps --no-build-isolation -e . 2>&1 | sed -unE \
+	  -e '/compactionrl-fast setup|[Ee]rror|Successfully installed/p' -e 's#^(\[[0-9]+/[0-9]+\]) .* -c (/[^ ]+\.(cpp|cu)) .*#\1 \2#p'
+	$(PY) -c "import compactionrl_fast._C as c; print('==> done: compactionrl_fast._C built, WITH_CUDA =', c.WITH_CUDA)"
 
 build:              ## rebuild the extension in place after editing csrc/
 	$(PY) setup.py build_ext --inplace -q
@@ -34,9 +44,20 @@ bench-rollout:      ## rollouts/s and tokens/s of the embedded transformers engi
 # (--no-deps: the venv's torch/transformers stay). OpenRLHF cannot install here (flash-attn needs CUDA).
 PEER_DEPS = verl==0.9.1 trl==1.12.0 omegaconf==2.4.0 antlr4-python3-runtime==4.13.2 ray==2.60.0 msgpack==1.2.4 protobuf==7.36.2 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 attrs==26.1.0 referencing==0.37.0 rpds-py==2026.9.1 tensordict==0.15.3 pyvers==0.2.3 cloudpickle==3.1.3 codetiming==1.4.0 orjson==3.13.0 torchdata==0.11.0 datasets==5.2.0 multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1 dill==0.4.1 xxhash==4.1.0 peft==0.21.2 accelerate==1.15.0 cachetools==8.0.2 uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-exporter-prometheus==0.66b2 opentelemetry-semantic-conventions==0.66b2 prometheus-client==0.26.0
 
-test-integrations:  ## the trainer adapters against the real verl and TRL (about 3 min, 570 MB in build/peers)
+# vLLM 0.33 with its own torch (2.14, CUDA build) and transformers: a venv of its own in build/vllm-venv (about
+# 10 GB); it installs and imports on a CPU machine, where tests/integrations/test_vllm_api.py checks every vLLM
+# class, keyword and attribute the engine uses against the real package.
+VLLM_SPEC = vllm==0.33.0
+
+test-integrations:  ## the adapters against the real verl and TRL, the vLLM engine against vLLM's API (about 5 min)
 	test -d build/peers || $(PY) -m pip install -q --no-deps --target build/peers $(PEER_DEPS)
 	PYTHONPATH=build/peers $(PY) -m pytest -q tests/integrations
+	test -x build/vllm-venv/bin/python || { python3 -m venv build/vllm-venv && \
+	  PIP_FIND_LINKS= build/vllm-venv/bin/python -m pip install $(VLLM_SPEC) pytest==9.2.0; }
+	build/vllm-venv/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_vllm_api.py
+
+check-cuda-build:   ## (not in CI; about 6 GB, 30 min on 2 cores) CUDA torch wheel + nvcc: build for sm_80/sm_90, op kernels, CPU tests
+	bash benchmarks/check_cuda_build.sh
 
 demo:               ## the CPU demo: SFT, CompactionRL, ablation, plots
 	$(PY) -m compactionrl_fast demo

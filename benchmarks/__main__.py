@@ -1,7 +1,7 @@
 """Run every op's benchmark, print one table, write JSON and PNG charts.
 
     python -m benchmarks [--quick | --full] [--only gae,losses] [--device cpu|cuda] [--json PATH]
-                         [--compare REV] [--budget S] [--timeout S] [--no-charts] [--no-roofline]
+                         [--compare REV] [--budget S] [--timeout S] [--no-charts] [--no-roofline] [--no-loops]
 
 Discovers `benchmarks/bench_*.py` and runs each in its own process (fresh allocator, threads and
 memory counters) as `python -m benchmarks.bench_<op> --device D --budget S --json TMP [size flag]`,
@@ -70,9 +70,11 @@ def script_options(root, name):
         return set(re.findall(r"""["'](--[a-z][a-z-]*)["']""", f.read()))
 
 
-def script_argv(options, size, device, budget, threads):
-    """Command-line flags for one script: its size flag, device, timing budget, threads."""
+def script_argv(options, size, device, budget, threads, no_loops=False):
+    """Command-line flags for one script: its size flag, device, timing budget, threads, --no-loop."""
     argv = ["--device", device, "--budget", str(budget)]
+    if no_loops and "--no-loop" in options:
+        argv.append("--no-loop")
     if size == "quick" or (size == "default" and "--full" not in options):
         argv.append("--quick")
     elif size == "full" and "--full" in options:
@@ -297,6 +299,7 @@ def parse(argv):
     p.add_argument("--compare", metavar="REV", help="also run the suite at git revision REV and print ratios")
     p.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
     p.add_argument("--no-roofline", action="store_true", help="skip the copy-bandwidth and matmul measurement")
+    p.add_argument("--no-loops", action="store_true", help="skip python-loop baselines (scripts with --no-loop)")
     p.add_argument("--root", default=H.REPO, help=argparse.SUPPRESS)  # the tree whose scripts run (--compare)
     return p.parse_args(argv)
 
@@ -323,7 +326,7 @@ def main(argv=None):
     rows, durations, failures = [], {}, {}
     with open(log_path, "w") as log:
         for name in names:
-            argv_s = script_argv(script_options(root, name), size, args.device, budget, args.threads)
+            argv_s = script_argv(script_options(root, name), size, args.device, budget, args.threads, args.no_loops)
             print(f"... {name} {' '.join(argv_s)}", file=sys.stderr, flush=True)
             got, seconds, err = run_script(root, name, argv_s, timeout=args.timeout, log=log)
             durations[name] = round(seconds, 1)

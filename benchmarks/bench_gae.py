@@ -268,7 +268,7 @@ def check(name, got, want):
             raise AssertionError(f"{name} disagrees with the reference backend on {what}: {e}") from None
 
 
-def formulations(b, device, *, oracle: bool):
+def formulations(b, device, *, oracle: bool, loops: bool = True):
     """(name, zero-argument callable returning packed (adv, ret), timed callable, timing kwargs) tuples."""
     out = []
     # the Triton interpreter on CPU tensors is a test tool, not a backend worth timing
@@ -283,14 +283,15 @@ def formulations(b, device, *, oracle: bool):
         serial = lambda: ops.segment_gae_serial(b["rewards"], b["values"], b["loss_mask"], cu, cs.to(cu.dtype), None,
                                                 GAMMA, LAM, 0, 1.5, 0, -1.0)
         out.append(("cpp serial (old)", serial, None, {}))
-    if oracle:
+    if oracle and loops:
         out.append(("torch oracle", lambda: run_backend(b, "torch"), None, dict(warmup=0, min_reps=3)))
-    r, seg, col = to_padded(b["rewards"], b["cu_seqlens"])
-    v, _, _ = to_padded(b["values"], b["cu_seqlens"])
-    m, _, _ = to_padded(b["loss_mask"], b["cu_seqlens"], fill=False)
-    loop = lambda: masked_gae(r, v, m, GAMMA, LAM)
-    out.append(("per-step loop", lambda: tuple(x[seg, col] for x in loop()), loop,
-                dict(warmup=0, min_reps=3, memory=False)))
+    if loops:
+        r, seg, col = to_padded(b["rewards"], b["cu_seqlens"])
+        v, _, _ = to_padded(b["values"], b["cu_seqlens"])
+        m, _, _ = to_padded(b["loss_mask"], b["cu_seqlens"], fill=False)
+        loop = lambda: masked_gae(r, v, m, GAMMA, LAM)
+        out.append(("per-step loop", lambda: tuple(x[seg, col] for x in loop()), loop,
+                    dict(warmup=0, min_reps=3, memory=False)))
     out.append(("vectorised torch", lambda: vectorised_gae(b["rewards"], b["values"], b["loss_mask"],
                                                            b["cu_seqlens"]), None, {}))
     if device.type == "cpu":
@@ -304,13 +305,13 @@ def formulations(b, device, *, oracle: bool):
     return out
 
 
-def bench_shape(shape, spec, device, *, budget_s):
+def bench_shape(shape, spec, device, *, budget_s, loops=True):
     b = make_batch(*spec, device=device)
     T = b["loss_mask"].numel()
     config = {"shape": shape, **describe(b)}
     nbytes = BYTES_PER_TOKEN * T
     rows, want = [], None
-    for name, fn, timed, kw in formulations(b, device, oracle=T <= ORACLE_MAX_TOKENS):
+    for name, fn, timed, kw in formulations(b, device, oracle=T <= ORACLE_MAX_TOKENS, loops=loops):
         if fn is not None:  # the check call also warms up (warmup=0 rows rely on it)
             got = fn()
             if want is None:
@@ -338,13 +339,13 @@ COLUMNS = [("shape", "shape", ""), ("name", "formulation", ""), ("median_ms", "m
            ("peak_mib", "peak MiB", ".1f"), ("faults_per_call", "faults/call", ".0f")]
 
 
-def run(shapes, device, *, budget_s=1.0, stat="median_ms"):
+def run(shapes, device, *, budget_s=1.0, stat="median_ms", loops=True):
     if device.type == "cpu":
         H.settle_malloc()
     rows = []
     for shape, spec in shapes.items():
         print(f"... {shape}", file=sys.stderr, flush=True)
-        rows += bench_shape(shape, spec, device, budget_s=budget_s)
+        rows += bench_shape(shape, spec, device, budget_s=budget_s, loops=loops)
     H.add_speedups(rows, "per-step loop", "x_loop", stat=stat)
     H.add_speedups(rows, "C scan", "x_c", stat=stat)
     return rows
@@ -359,6 +360,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--stat", choices=("median", "min"), default="median",
                    help="time statistic of GB/s and speedups (min: on a machine others are loading)")
+    p.add_argument("--no-loop", action="store_true",
+                   help="skip the python-loop baselines (torch oracle, per-step loop): one launch per step on CUDA")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -367,7 +370,7 @@ def main(argv=None):
     if device.type == "cuda" and not args.quick:
         shapes.update(CUDA_SHAPES)
     stat = args.stat + "_ms"
-    rows = run(shapes, device, budget_s=args.budget, stat=stat)
+    rows = run(shapes, device, budget_s=args.budget, stat=stat, loops=not args.no_loop)
     columns = [c if c[0] != "gbps" or stat == "median_ms" else ("gbps_min_time", "GB/s", c[2]) for c in COLUMNS]
     columns += [("of_copy_bw", "of copy BW", ".0%")]
     env = H.environment(device)

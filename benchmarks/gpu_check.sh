@@ -1,65 +1,190 @@
 #!/usr/bin/env bash
-# One prepared check for a lent GPU machine; fits in 10 minutes (one device command).
+# One prepared, offline, time-boxed check for a lent GPU machine (at most GPU_CHECK_SECONDS, default 290 s).
 #
-#   bash benchmarks/gpu_check.sh
+#   bash benchmarks/gpu_check.sh                   # everything
+#   bash benchmarks/gpu_check.sh --rerun-failed [PREV.json]
+#                                                  # only what PREV failed (default: the last run's JSON, from
+#                                                  # $OUT, build/gpu-check/last.json or benchmarks/results/
+#                                                  # gpu_check.json: on a fresh machine, copy it there first)
 #
-# 1. prints the GPU, driver, nvcc, torch and triton versions;
-# 2. builds the CUDA extension for this GPU's architecture
-#    (COMPACTIONRL_FAST_BUILD_CUDA=1 pip install --no-deps --no-build-isolation -e .);
-# 3. runs the kernel tests on the GPU with the Triton kernels compiled (TRITON_INTERPRET=0):
-#    tests/test_cuda_backends.py (every op's triton/cuda backend vs the float64 references) and
-#    tests/test_aot.py (sm_80/sm_90 compiles, register/spill report, with this machine's nvcc);
-# 4. runs the full benchmark suite on the GPU: the copy bandwidth and the bf16 matmul rate are measured
-#    first and every row is reported as a fraction of them (python -m benchmarks --full --device cuda).
-#
-# Results go to $OUT (the device tool's output folder) or benchmarks/results: the suite JSON, its log,
-# one chart per benchmark, and gpu_check.log with everything printed here (at most 8 files). Back on the
-# development machine: copy the suite files into benchmarks/results/ and run `python -m benchmarks.report`.
-# Each step has a time limit derived from GPU_CHECK_SECONDS (default 570) so the whole run ends in time.
+# Needs only what the machine has: python3 with torch (a CUDA build), triton, pytest, nvcc; no network, nothing
+# installed (the extension is built in place, so an externally-managed system Python is no obstacle).
+# Stages, each with its own time limit and one line "PASS|FAIL|SKIP <stage> (<seconds> s) <note>":
+#   probe        versions, the GPU (no GPU: every stage SKIPs, exit 2)
+#   build        the CUDA extension for this GPU's architecture only (COMPACTIONRL_FAST_BUILD_CUDA=1,
+#                CUDA_HOME exported when found), in the background while the Triton stages run
+#   triton_tests tests/test_cuda_backends.py, Triton backends, compiled (TRITON_INTERPRET=0)
+#   aot          tests/test_aot.py: sm_80/sm_90 compiles, spills, with this machine's nvcc
+#   op_kernels   every op of torch.ops.compactionrl_fast has CPU, CUDA and Meta/fake kernels
+#   cuda_tests   tests/test_cuda_backends.py, CUDA C++ backends          (SKIP when the build failed)
+#   vllm         tests/rollout/vllm_gpu_check.py end to end             (SKIP when vllm is not installed)
+#   bench        python -m benchmarks --quick --no-loops --device cuda: every row with its share of the
+#                measured copy bandwidth (python-loop baselines skipped: one launch per step on CUDA)
+# Output folder: $OUT if set, else build/gpu-check: gpu_check.log (all of it), gpu_check.json (versions,
+# device, stages, every test result, every benchmark row and the roofline), per-stage logs and JUnit XML.
+# Exit 0 when every stage that ran passed, 1 when one failed, 2 without a GPU.
+# GPU_CHECK_DRY_RUN=1 runs the same stages on CPU tensors (Triton interpreter, --device cpu benchmarks, a CUDA
+# build where torch is a CUDA build and nvcc is there): how this script itself is checked without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 PY=${PY:-python3}
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-LOG="$OUT/gpu_check.log"
-DEADLINE=${GPU_CHECK_SECONDS:-570}
+OUT=${OUT:-build/gpu-check}
+mkdir -p "$OUT" build/gpu-check
+OUT=$(cd "$OUT" && pwd)
+DEADLINE=${GPU_CHECK_SECONDS:-290}
+DRY=${GPU_CHECK_DRY_RUN:-0}
+DEV=cuda INTERP=0 EXT_BACKEND=cuda
+[ "$DRY" = 1 ] && { DEV=cpu INTERP=1 EXT_BACKEND=cpp; export CRF_KERNEL_TEST_DEVICE=cpu; }
+RERUN=0 PREV=""
+if [ "${1:-}" = "--rerun-failed" ]; then
+  RERUN=1
+  PREV=${2:-}
+  for p in "$OUT/gpu_check.json" build/gpu-check/last.json benchmarks/results/gpu_check.json; do
+    [ -z "$PREV" ] && [ -f "$p" ] && PREV=$p
+  done
+  [ -f "$PREV" ] || { echo "--rerun-failed: no earlier gpu_check.json found (give its path)"; exit 1; }
+  cp "$PREV" "$OUT/previous.json" 2>/dev/null; PREV="$OUT/previous.json"
+fi
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+: > "$OUT/stages.tsv"
 status=0
-exec > >(tee "$LOG") 2>&1
 
 left() { echo $(( DEADLINE - SECONDS )); }
-step() { echo; echo "==== [$SECONDS s] $*"; }
+budget() { local b=$1 l; l=$(( $(left) - 10 )); (( l < b )) && b=$l; (( b < 1 )) && b=1; echo "$b"; }
+record() {  # stage status seconds note
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$OUT/stages.tsv"
+  printf '%-4s %-12s (%3s s) %s\n' "$2" "$1" "$3" "$4"
+  [ "$2" = FAIL ] && status=1
+}
+# what a stage has to do: all, none, or a file of test ids (rerun of failed tests)
+todo() {
+  if [ $RERUN = 0 ]; then echo all; return; fi
+  local w; w=$($PY benchmarks/gpu_check_lib.py failed "$PREV" "$1")
+  case "$w" in all|none) echo "$w" ;; *) echo "$w" > "$OUT/$1.ids"; echo "$OUT/$1.ids" ;; esac
+}
+# run_pytest STAGE LIMIT TARGET... : pytest with JUnit XML, one PASS/FAIL line
+run_pytest() {
+  local stage=$1 lim=$2 t0=$SECONDS rc; shift 2
+  local what; what=$(todo "$stage")
+  if [ "$what" = none ]; then record "$stage" SKIP 0 "passed last time"; return; fi
+  local targets=("$@"); [ "$what" != all ] && mapfile -t targets < "$what"
+  timeout -k 5 "$lim" $PY -m pytest -q -p no:cacheprovider -rfEx --junitxml="$OUT/$stage.xml" "${targets[@]}" \
+    > "$OUT/$stage.log" 2>&1
+  rc=$?
+  local summary; summary=$(grep -E "(passed|failed|error|skipped|xfailed|deselected|no tests ran).* in [0-9.]+s" "$OUT/$stage.log" | tail -n 1)
+  if [ $rc = 0 ] || [ $rc = 5 ]; then record "$stage" PASS $((SECONDS - t0)) "$summary"
+  elif [ $rc = 124 ] || [ $rc = 137 ]; then record "$stage" FAIL $((SECONDS - t0)) "timeout after ${lim} s"
+  else record "$stage" FAIL $((SECONDS - t0)) "$summary (log: $stage.log)"; grep -E "^(FAILED|ERROR)" "$OUT/$stage.log" | head -n 20
+  fi
+}
+finish() {
+  $PY benchmarks/gpu_check_lib.py report "$OUT" ${PREV:+"$PREV"} || echo "could not write gpu_check.json"
+  cp "$OUT/gpu_check.json" build/gpu-check/last.json 2>/dev/null
+  echo "results: $OUT/gpu_check.json (log: $OUT/gpu_check.log)"
+  echo "gpu_check: $1 in $SECONDS s"
+  exit "$2"
+}
 
-step "environment"
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || status=1
-nvcc --version | tail -n 2 || true
-$PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| triton', triton.__version__, \
-'|', torch.cuda.get_device_name(0), 'sm_%d%d' % torch.cuda.get_device_capability())" || { echo "no usable GPU"; exit 1; }
-ARCH=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+echo "==== gpu_check $( [ $RERUN = 1 ] && echo "--rerun-failed $PREV") (limit ${DEADLINE} s)"
+# the Triton kernels are installed as compactionrl_fast.kernels; a source tree needs the link (git ignores it)
+[ -e compactionrl_fast/kernels ] || ln -s ../kernels compactionrl_fast/kernels
 
-step "build the CUDA extension (TORCH_CUDA_ARCH_LIST=$ARCH)"
-if ! COMPACTIONRL_FAST_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$(nproc)" \
-     timeout 240 $PY -m pip install -q --no-deps --no-build-isolation -e . ; then
-  echo "BUILD FAILED"; exit 1
+t0=$SECONDS
+if timeout -k 5 "$(budget 60)" $PY benchmarks/gpu_check_lib.py probe "$OUT/probe.json"; then
+  record probe PASS $((SECONDS - t0)) ""
+else
+  rc=$?
+  if [ $rc = 3 ] && [ "$DRY" = 1 ]; then
+    record probe PASS $((SECONDS - t0)) "dry run on CPU"
+  elif [ $rc = 3 ]; then
+    echo "no GPU: $($PY -c "import json; print(json.load(open('$OUT/probe.json'))['no_gpu_reason'])" 2>/dev/null)"
+    record probe SKIP $((SECONDS - t0)) "no GPU"
+    for s in build triton_tests aot op_kernels cuda_tests vllm bench; do record $s SKIP 0 "no GPU"; done
+    finish "SKIP (no GPU)" 2
+  else
+    record probe FAIL $((SECONDS - t0)) "torch/CUDA probe failed (exit $rc)"
+    finish FAIL 1
+  fi
 fi
-$PY -c "import torch, compactionrl_fast as c; print('backends on cuda:', c.available_backends(torch.device('cuda')))"
+ARCH=$($PY -c "import json; g = json.load(open('$OUT/probe.json'))['gpus']; print(g[0]['sm'] if g else '9.0')")
 
-step "kernel tests on the GPU"
-if ! TRITON_INTERPRET=0 timeout $(( $(left) > 400 ? 180 : $(left) / 3 )) \
-     $PY -m pytest -q -p no:cacheprovider tests/test_cuda_backends.py tests/test_aot.py -rs; then
-  echo "KERNEL TESTS FAILED"; status=1
+# ---- build (background) while the Triton stages run
+CUDA_HOME_FOUND=$(COMPACTIONRL_FAST_BUILD_CUDA=auto $PY benchmarks/gpu_check_lib.py cuda-home 2> "$OUT/cuda_home.log")
+if [ -n "$CUDA_HOME_FOUND" ]; then export CUDA_HOME=$CUDA_HOME_FOUND; echo "CUDA_HOME=$CUDA_HOME"; fi
+have_cuda_ext() { $PY -c "import compactionrl_fast._C as c, sys; sys.exit(c.WITH_CUDA != 1)" 2>/dev/null; }
+need_build=all
+if [ $RERUN = 1 ]; then
+  need_build=$(todo build)
+  for s in op_kernels cuda_tests; do [ "$(todo $s)" != none ] && ! have_cuda_ext && need_build=all; done
+fi
+build_pid=""
+if [ "$need_build" != none ]; then
+  rm -rf build/gpu-check/lib
+  build_t0=$SECONDS
+  ( COMPACTIONRL_FAST_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$(nproc)" \
+      timeout -k 5 "$(budget 170)" $PY setup.py build_ext --build-lib build/gpu-check/lib --build-temp build/gpu-check/tmp \
+      > "$OUT/build.log" 2>&1 ) &
+  build_pid=$!
+else
+  record build SKIP 0 "passed last time"
 fi
 
-step "benchmark suite with roofline (python -m benchmarks --full --device cuda)"
-n=$(ls benchmarks/bench_*.py | wc -l)
-per=$(( ($(left) - 40) / (n > 0 ? n : 1) ))
-(( per < 30 )) && per=30
-stamp=$(date -u +%Y%m%d-%H%M%S)
-if ! TRITON_INTERPRET=0 $PY -m benchmarks --full --device cuda --budget 0.3 --timeout "$per" \
-     --json "$OUT/suite-cuda-full-$stamp.json"; then
-  echo "SOME BENCHMARKS FAILED (see the suite log)"; status=1
+# ---- Triton stages (need no build)
+CRF_KERNEL_TEST_BACKENDS=triton TRITON_INTERPRET=$INTERP run_pytest triton_tests "$(budget 110)" tests/test_cuda_backends.py
+TRITON_INTERPRET=0 CRF_KERNEL_TEST_DEVICE= run_pytest aot "$(budget 50)" tests/test_aot.py
+
+build_ok=1
+if [ -n "$build_pid" ]; then
+  wait "$build_pid"; rc=$?
+  so=$(ls build/gpu-check/lib/compactionrl_fast/_C*.so 2>/dev/null | head -n 1)
+  if [ $rc = 0 ] && [ -n "$so" ]; then
+    cp "$so" compactionrl_fast/
+    record build PASS $((SECONDS - build_t0)) "sm_${ARCH/./}, $(grep -m1 'compactionrl-fast setup: building' "$OUT/build.log" | cut -c1-150)"
+  else
+    build_ok=0
+    note=$([ $rc = 124 ] && echo "timeout" || grep -m1 -E "error|compactionrl-fast setup: (COMPACT|no CUDA|torch)" "$OUT/build.log" | cut -c1-200)
+    [ -z "$note" ] && note=$(tail -n 1 "$OUT/build.log" | cut -c1-200)
+    record build FAIL $((SECONDS - build_t0)) "$note (log: build.log)"
+    tail -n 15 "$OUT/build.log"
+  fi
 fi
 
-step "done in $SECONDS s, status $status"
-ls -la "$OUT"
-exit $status
+# ---- stages that need the CUDA extension
+if [ $build_ok = 1 ]; then
+  t0=$SECONDS
+  if [ "$(todo op_kernels)" = none ]; then record op_kernels SKIP 0 "passed last time"
+  elif timeout -k 5 "$(budget 40)" $PY benchmarks/op_kernels.py --require-cuda --json "$OUT/op_kernels.json" > "$OUT/op_kernels.log" 2>&1; then
+    record op_kernels PASS $((SECONDS - t0)) "$(tail -n 1 "$OUT/op_kernels.log")"
+  else
+    record op_kernels FAIL $((SECONDS - t0)) "$(grep -m3 MISSING "$OUT/op_kernels.log" | tr '\n' ';')"; cat "$OUT/op_kernels.log"
+  fi
+  CRF_KERNEL_TEST_BACKENDS=$EXT_BACKEND TRITON_INTERPRET=$INTERP run_pytest cuda_tests "$(budget 60)" tests/test_cuda_backends.py
+else
+  record op_kernels SKIP 0 "after a failed build"
+  record cuda_tests SKIP 0 "after a failed build"
+fi
+
+# ---- vLLM end to end, where it is installed
+t0=$SECONDS
+if ! $PY -c "import vllm" > /dev/null 2>&1; then record vllm SKIP 0 "vllm is not installed"
+elif [ "$(todo vllm)" = none ]; then record vllm SKIP 0 "passed last time"
+elif timeout -k 5 "$(budget 120)" $PY -m tests.rollout.vllm_gpu_check --workdir build/gpu-check/vllm --rollouts 8 \
+       > "$OUT/vllm.log" 2>&1; then record vllm PASS $((SECONDS - t0)) "$(tail -n 1 "$OUT/vllm.log" | cut -c1-200)"
+else record vllm FAIL $((SECONDS - t0)) "(log: vllm.log)"; tail -n 10 "$OUT/vllm.log"
+fi
+
+# ---- benchmarks: quick sizes, no python-loop baselines
+t0=$SECONDS
+lim=$(budget 90)
+if [ "$(todo bench)" = none ]; then record bench SKIP 0 "passed last time"
+elif [ "$lim" -lt 20 ]; then record bench FAIL 0 "no time left (${lim} s)"
+elif TRITON_INTERPRET=0 timeout -k 5 "$lim" $PY -m benchmarks --quick --no-loops --device $DEV --budget 0.1 \
+       --timeout $(( lim / 3 )) --no-charts --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1; then
+  record bench PASS $((SECONDS - t0)) "$(grep -a -m1 '^roofline' "$OUT/bench.log")"
+else
+  record bench FAIL $((SECONDS - t0)) "$(grep -aE '^FAILED|timed out' "$OUT/bench.log" | head -n 3 | tr '\n' ';') (log: bench.log)"
+fi
+[ "$(todo bench)" != none ] && [ -f "$OUT/bench.log" ] && sed -n '/^roofline/,/^wrote/p' "$OUT/bench.log" | head -n 60
+
+[ $status = 0 ] && finish PASS 0 || finish FAIL 1

@@ -33,6 +33,8 @@ import triton.language as tl
 
 from compactionrl_fast.ops._alloc import empty
 
+from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
+
 from .segments import device_guard, sanitize_offsets
 
 ACC = tl.float64  # accumulation dtype of the maps and carries (see the module docstring)

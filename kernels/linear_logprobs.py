@@ -20,6 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
+
 TILE = 2048  # elements per [BT, BV] block: 16 fp32 lanes per thread per accumulator at 4 warps
 NEG = tl.constexpr(-1e30)  # finite "minus infinity" for the running max: keeps every difference finite
 

@@ -10,6 +10,8 @@ import triton.language as tl
 
 from compactionrl_fast.ops._alloc import empty
 
+from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
+
 N_PARTS = 8  # loss, tokens, clipped, dual, kl, ratio_max, (2 unused: keeps rows 32-byte aligned)
 
 

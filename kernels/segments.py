@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
+
 BLOCK = 1024  # mask bytes per loop step on GPU
 INTERPRET_BLOCK = 1 << 16  # the interpreter pays per operation, not per element
 

@@ -11,6 +11,8 @@ import triton.language as tl
 
 from compactionrl_fast.ops._alloc import empty
 
+from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
+
 MAX_PROGRAMS = 256  # row-block programs of the backward; fixed, so the d_weight sum order is too
 
 

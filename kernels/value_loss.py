@@ -12,6 +12,8 @@ import triton.language as tl
 
 from compactionrl_fast.ops._alloc import empty
 
+from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
+
 from .ppo_loss import search_steps, segment_scale
 
 N_PARTS = 8  # loss, tokens, clipped, sum_v, sum_r, m2_r, sum_e, m2_e  (e = returns - values)

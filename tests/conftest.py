@@ -2,6 +2,7 @@
 switched on before triton is first imported; the ahead-of-time compile tests run in a subprocess
 without it (tests/_aot.py)."""
 import os
+import re
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -21,3 +22,46 @@ except ImportError:  # triton not installed
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# tokenizers/transformers are test dependencies (pip install -e ".[test]"), not dependencies of the package:
+# without them the tests that need them are skipped with the reason, never collection errors or failures.
+OPTIONAL = ("tokenizers", "transformers")
+_NO_MODULE = re.compile(r"No module named '(%s)[.']" % "|".join(OPTIONAL))
+
+
+def _skip_reason(name):
+    return f"needs {name} (a test dependency: pip install -e '.[test]')"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    rep = yield
+    m = _NO_MODULE.search(str(rep.longrepr)) if rep.failed and isinstance(collector, pytest.Module) else None
+    if m:
+        rep.outcome, rep.longrepr = "skipped", (str(collector.path), 0, f"Skipped: {_skip_reason(m.group(1))}")
+    return rep
+
+
+def _optional_missing(e):
+    return isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in OPTIONAL
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    try:
+        return (yield)
+    except ModuleNotFoundError as e:
+        if _optional_missing(e):
+            pytest.skip(_skip_reason(e.name.split(".")[0]))
+        raise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    try:
+        return (yield)
+    except ModuleNotFoundError as e:
+        if _optional_missing(e):
+            pytest.skip(_skip_reason(e.name.split(".")[0]))
+        raise

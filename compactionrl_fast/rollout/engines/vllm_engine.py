@@ -5,6 +5,12 @@ its log-prob. `logprobs_mode="processed_logprobs"` makes vLLM return log-probs o
 samples from (after temperature), the same quantity the trainer computes as log_softmax(logits / T)
 (with top_p < 1 vLLM's processed log-probs are those of the truncated distribution; keep top_p = 1 for
 exact PPO ratios). Weight updates load the trainer's state dict into the worker's model in place.
+
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless the caller set it): weight
+updates go through `LLM.apply_model`, which in vLLM's default engine-core subprocess would have to pickle
+the closure and every weight tensor (refused unless VLLM_ALLOW_INSECURE_SERIALIZATION=1). With
+tensor_parallel_size > 1 the workers are processes anyway: set VLLM_ALLOW_INSECURE_SERIALIZATION=1 there.
+Checked against vLLM 0.33's API by tests/integrations/test_vllm_api.py.
 """
 from __future__ import annotations
 
@@ -32,7 +38,9 @@ class VLLMEngine(Engine):
     def __init__(self, model: str, *, enable_sleep_mode: bool = True, logprobs_mode: str = "processed_logprobs",
                  **llm_kwargs):
         import inspect
+        import os
 
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # see the module docstring
         from vllm import LLM
 
         kw = dict(model=model, enable_sleep_mode=enable_sleep_mode, **llm_kwargs)

@@ -64,6 +64,9 @@ QUICK_SHAPES = {
     "8x2048 3seg": (8, 2048, 3, False),
 }
 CUDA_SHAPES = {"512x32768": (512, 32768, 1, False)}  # 16M tokens, for the copy-bandwidth target
+# --gpu-plans: the Triton plans against the copy bandwidth at 1M and 16M tokens, R in {8, 264, 4096}, varlen
+GPU_PLAN_SHAPES = {f"{T // 2**20}M R{R}": (R, T // R, 1, False) for T in (1 << 20, 1 << 24) for R in (8, 264, 4096)}
+GPU_PLAN_SHAPES["16M varlen R264"] = (264, (1 << 24) // 264, 0, True)
 ORACLE_MAX_TOKENS = 10_000  # the python-loop oracle takes ~seconds per 10K tokens
 
 
@@ -268,7 +271,19 @@ def check(name, got, want):
             raise AssertionError(f"{name} disagrees with the reference backend on {what}: {e}") from None
 
 
-def formulations(b, device, *, oracle: bool, loops: bool = True):
+def _with_plan(plan, fn):
+    old = os.environ.get("COMPACTIONRL_FAST_GAE_PLAN")
+    os.environ["COMPACTIONRL_FAST_GAE_PLAN"] = plan
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ["COMPACTIONRL_FAST_GAE_PLAN"]
+        else:
+            os.environ["COMPACTIONRL_FAST_GAE_PLAN"] = old
+
+
+def formulations(b, device, *, oracle: bool, loops: bool = True, plans: bool = False):
     """(name, zero-argument callable returning packed (adv, ret), timed callable, timing kwargs) tuples."""
     out = []
     # the Triton interpreter on CPU tensors is a test tool, not a backend worth timing
@@ -277,6 +292,8 @@ def formulations(b, device, *, oracle: bool, loops: bool = True):
         out.append((be, lambda be=be: run_backend(b, be), None, {}))
     for be in backends:
         out.append((f"{be} recipe", None, lambda be=be: run_recipe(b, be), {}))
+    if plans and "triton" in backends:  # the single-pass look-back plan beside the default plan
+        out.append(("triton lookback", lambda: _with_plan("lookback", lambda: run_backend(b, "triton")), None, {}))
     if "cpp" in backends:  # the one-rollout-at-a-time scan the lane-interleaved one replaced
         ops = torch.ops.compactionrl_fast
         cu, cs = b["cu_seqlens"], b["cu_segments"]
@@ -305,13 +322,13 @@ def formulations(b, device, *, oracle: bool, loops: bool = True):
     return out
 
 
-def bench_shape(shape, spec, device, *, budget_s, loops=True):
+def bench_shape(shape, spec, device, *, budget_s, loops=True, plans=False):
     b = make_batch(*spec, device=device)
     T = b["loss_mask"].numel()
     config = {"shape": shape, **describe(b)}
     nbytes = BYTES_PER_TOKEN * T
     rows, want = [], None
-    for name, fn, timed, kw in formulations(b, device, oracle=T <= ORACLE_MAX_TOKENS, loops=loops):
+    for name, fn, timed, kw in formulations(b, device, oracle=T <= ORACLE_MAX_TOKENS, loops=loops, plans=plans):
         if fn is not None:  # the check call also warms up (warmup=0 rows rely on it)
             got = fn()
             if want is None:
@@ -339,13 +356,13 @@ COLUMNS = [("shape", "shape", ""), ("name", "formulation", ""), ("median_ms", "m
            ("peak_mib", "peak MiB", ".1f"), ("faults_per_call", "faults/call", ".0f")]
 
 
-def run(shapes, device, *, budget_s=1.0, stat="median_ms", loops=True):
+def run(shapes, device, *, budget_s=1.0, stat="median_ms", loops=True, plans=False):
     if device.type == "cpu":
         H.settle_malloc()
     rows = []
     for shape, spec in shapes.items():
         print(f"... {shape}", file=sys.stderr, flush=True)
-        rows += bench_shape(shape, spec, device, budget_s=budget_s, loops=loops)
+        rows += bench_shape(shape, spec, device, budget_s=budget_s, loops=loops, plans=plans)
     H.add_speedups(rows, "per-step loop", "x_loop", stat=stat)
     H.add_speedups(rows, "C scan", "x_c", stat=stat)
     return rows
@@ -362,6 +379,9 @@ def main(argv=None):
                    help="time statistic of GB/s and speedups (min: on a machine others are loading)")
     p.add_argument("--no-loop", action="store_true",
                    help="skip the python-loop baselines (torch oracle, per-step loop): one launch per step on CUDA")
+    p.add_argument("--gpu-plans", action="store_true",
+                   help="CUDA: the Triton plans (default and single-pass look-back) at 1M and 16M tokens, R in "
+                        "{8, 264, 4096} and varlen, against the copy bandwidth (no loop baselines)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -370,7 +390,10 @@ def main(argv=None):
     if device.type == "cuda" and not args.quick:
         shapes.update(CUDA_SHAPES)
     stat = args.stat + "_ms"
-    rows = run(shapes, device, budget_s=args.budget, stat=stat, loops=not args.no_loop)
+    if args.gpu_plans:
+        shapes = dict(GPU_PLAN_SHAPES)
+    rows = run(shapes, device, budget_s=args.budget, stat=stat, loops=not args.no_loop and not args.gpu_plans,
+               plans=args.gpu_plans)
     columns = [c if c[0] != "gbps" or stat == "median_ms" else ("gbps_min_time", "GB/s", c[2]) for c in COLUMNS]
     columns += [("of_copy_bw", "of copy BW", ".0%")]
     env = H.environment(device)

@@ -100,7 +100,7 @@ else
   elif [ $rc = 3 ]; then
     echo "no GPU: $($PY -c "import json; print(json.load(open('$OUT/probe.json'))['no_gpu_reason'])" 2>/dev/null)"
     record probe SKIP $((SECONDS - t0)) "no GPU"
-    for s in build triton_tests aot op_kernels cuda_tests vllm bench; do record $s SKIP 0 "no GPU"; done
+    for s in build triton_tests aot op_kernels cuda_tests vllm bench gae_plans; do record $s SKIP 0 "no GPU"; done
     finish "SKIP (no GPU)" 2
   else
     record probe FAIL $((SECONDS - t0)) "torch/CUDA probe failed (exit $rc)"
@@ -186,5 +186,19 @@ else
   record bench FAIL $((SECONDS - t0)) "$(grep -aE '^FAILED|timed out' "$OUT/bench.log" | head -n 3 | tr '\n' ';') (log: bench.log)"
 fi
 [ "$(todo bench)" != none ] && [ -f "$OUT/bench.log" ] && sed -n '/^roofline/,/^wrote/p' "$OUT/bench.log" | head -n 60
+
+# ---- segment_gae plans: default vs single-pass look-back at 1M and 16M tokens against the copy bandwidth
+t0=$SECONDS
+lim=$(budget 60)
+if [ "$(todo gae_plans)" = none ]; then record gae_plans SKIP 0 "passed last time"
+elif [ "$DEV" != cuda ]; then record gae_plans SKIP 0 "needs a GPU"
+elif [ "$lim" -lt 15 ]; then record gae_plans FAIL 0 "no time left (${lim} s)"
+elif TRITON_INTERPRET=0 timeout -k 5 "$lim" $PY benchmarks/bench_gae.py --device cuda --gpu-plans --budget 0.1 \
+       --json "$OUT/gae_plans.json" > "$OUT/gae_plans.log" 2>&1; then
+  record gae_plans PASS $((SECONDS - t0)) "(table: gae_plans.log)"
+  grep -aE "lookback|triton  |copy" "$OUT/gae_plans.log" | head -n 40
+else
+  record gae_plans FAIL $((SECONDS - t0)) "(log: gae_plans.log)"; tail -n 15 "$OUT/gae_plans.log"
+fi
 
 [ $status = 0 ] && finish PASS 0 || finish FAIL 1

@@ -143,6 +143,10 @@ def report(out, prev_path=None):
                  "durations_s": meta.get("durations_s"), "rows": suite.get("rows", [])}
     elif prev.get("benchmarks"):
         bench = prev["benchmarks"]
+    plans_path = os.path.join(out, "gae_plans.json")
+    if os.path.exists(plans_path):
+        with open(plans_path) as f:
+            bench["gae_plans"] = json.load(f).get("rows", [])
     probe_info = {}
     if os.path.exists(os.path.join(out, "probe.json")):
         with open(os.path.join(out, "probe.json")) as f:

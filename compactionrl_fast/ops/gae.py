@@ -76,6 +76,8 @@ def _register_cpp_fake():
 
     if _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "segment_gae"):
         torch.library.register_fake("compactionrl_fast::segment_gae", _gae_fake)
+    if _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "segment_gae_serial"):
+        torch.library.register_fake("compactionrl_fast::segment_gae_serial", _gae_fake)
 
 
 _register_cpp_fake()

@@ -323,3 +323,10 @@ def test_gae_params_kernel_matches_reference(cross, lam, length, lam_critic):
                                   cross_segment=cross, lam_critic=lam_critic, adaptive_alpha=1.5,
                                   adaptive_length=length)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+def test_every_registered_op_has_a_fake_impl():
+    """Every op of torch.ops.compactionrl_fast traces (fake/Meta) besides its device kernels."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "op_kernels.py")], capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert " 0 problems" in p.stdout, p.stdout[-3000:] + p.stderr[-2000:]

@@ -21,6 +21,8 @@ makes the loss NaN elsewhere (never a silent 0).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import _dispatch
@@ -156,8 +158,57 @@ def _inverse_denominator(d):
     return torch.where(d > 0, d.reciprocal(), torch.where(d == 0, 0.0, float("nan")))
 
 
+_CODES = {"token-mean": 0, "segment-mean": 1, "rollout-mean": 2, "sum": 3}
+_CPP_WEIGHTS = _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "segment_weights")
+if _CPP_WEIGHTS:
+    @torch.library.register_fake("compactionrl_fast::segment_weights")
+    def _segment_weights_fake(loss_mask, cu_seqlens, cu_segments, reduction, den, den_t):
+        S = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        return loss_mask.new_empty(S, dtype=torch.float64)
+
+
+@torch.library.custom_op("compactionrl_fast::segment_weights_triton", mutates_args=())
+def _segment_weights_triton(loss_mask: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+                            cu_segments: Optional[torch.Tensor], reduction: int, den: float,
+                            den_t: Optional[torch.Tensor]) -> torch.Tensor:
+    from ..kernels.segments import segment_weights as launch
+
+    S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+    given = den_t is not None or den >= 0
+    if reduction == 3 or (reduction == 0 and given):  # the weights need no counts: one launch
+        counts = torch.empty(S, dtype=torch.int64, device=loss_mask.device)
+    elif cu_seqlens is None:
+        counts = torch.count_nonzero(loss_mask).reshape(1)
+    else:
+        counts = segment_counts(loss_mask, cu_seqlens)
+    return launch(counts, cu_segments, reduction, den_t if den_t is not None else (den if given else None))
+
+
+@_segment_weights_triton.register_fake
+def _(loss_mask, cu_seqlens, cu_segments, reduction, den, den_t):
+    S = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return loss_mask.new_empty(S, dtype=torch.float64)
+
+
 def segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator=None):
-    """Reduction weight of each segment's tokens: float64 [S] ([1] when cu_seqlens is None)."""
+    """Reduction weight of each segment's tokens: float64 [S] ([1] when cu_seqlens is None).
+
+    One op call: C++ on CPU, Triton on CUDA (counts, then one program for D and the weights); the torch
+    formulation below where neither is there. A negative or NaN tensor denominator gives NaN weights."""
+    device = loss_mask.device
+    den = -1.0 if denominator is None or isinstance(denominator, torch.Tensor) else float(denominator)
+    den_t = denominator if isinstance(denominator, torch.Tensor) else None
+    if device.type == "cpu" and _CPP_WEIGHTS:
+        return torch.ops.compactionrl_fast.segment_weights(loss_mask, cu_seqlens, cu_segments, _CODES[reduction], den,
+                                                           den_t)
+    if device.type == "cuda" and _dispatch.has_triton():
+        return torch.ops.compactionrl_fast.segment_weights_triton(loss_mask, cu_seqlens, cu_segments,
+                                                                  _CODES[reduction], den, den_t)
+    return segment_weights_torch(loss_mask, cu_seqlens, cu_segments, reduction, denominator)
+
+
+def segment_weights_torch(loss_mask, cu_seqlens, cu_segments, reduction, denominator=None):
+    """`segment_weights` in torch ops on [S] (the formulation the kernels port; no host sync)."""
     device = loss_mask.device
     S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
     if reduction == "sum":

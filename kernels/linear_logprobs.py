@@ -62,7 +62,9 @@ def linear_logprobs_stats_kernel(x_ptr, stride_x, y_ptr, lse_ptr, logp_ptr, ent_
     b_sum = tl.where(m_t, tl.sum(b_s * b_sc, 1), 1.0)  # rows past C: no log(0) or 0 / 0
     b_lse = b_mx + tl.log(b_sum)
     b_y = tl.load(y_ptr + o_t, mask=m_t, other=0).to(tl.int64)
-    b_zy = tl.load(x_ptr + o_t * stride_x + b_y, mask=m_t, other=0.0).to(tl.float32) * inv_t
+    # an out-of-range target (unchecked on CUDA) reads nothing and gives logp NaN
+    b_ok = (b_y >= 0) & (b_y < V)
+    b_zy = tl.load(x_ptr + o_t * stride_x + b_y, mask=m_t & b_ok, other=float("nan")).to(tl.float32) * inv_t
     tl.store(lse_ptr + o_t, b_lse, mask=m_t)
     tl.store(logp_ptr + o_t, b_zy - b_lse, mask=m_t)
     if ENTROPY:

@@ -68,7 +68,8 @@ def ppo_loss_fwd_kernel(logp, old, adv, roll, mask, cu, scale, grad, part, T, S,
     b_g = tl.where(b_clip | b_dual, 0.0, b_l1)
     if HAS_TIS:
         b_roll = tl.load(roll + o_t, mask=m_t, other=0.0).to(tl.float32)
-        b_is = tl.minimum(tl.exp(b_old - b_roll), tis_cap)
+        b_is = tl.exp(b_old - b_roll)
+        b_is = tl.where(b_is > tis_cap, tis_cap, b_is)  # a NaN weight stays NaN (tl.minimum may drop it)
         b_big = b_is > 3.40282347e38  # 0 * an overflowed weight is 0 (the float64 reference)
         b_l = tl.where((b_l == 0.0) & b_big, b_l, b_l * b_is)
         b_g = tl.where((b_g == 0.0) & b_big, b_g, b_g * b_is)

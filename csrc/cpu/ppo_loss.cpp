@@ -56,7 +56,7 @@ CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w
     float l = o.loss, g = o.dlogp;
     if (TIS) {
       const float wi = crf::exp_f32(old[i] - roll[i]);
-      const float wc = wi < cap ? wi : cap;
+      const float wc = wi > cap ? cap : wi;  // a NaN weight stays NaN
       l = crf::tis_scale(l, wc);
       g = crf::tis_scale(g, wc);
     }

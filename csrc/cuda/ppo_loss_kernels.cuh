@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) ppo_loss_block_kernel(Params p) {
     float l = o.loss, g = o.dlogp;
     if (TIS) {
       const float wi = exp_f32(p.old[t] - p.roll[t]);
-      const float wc = wi < p.tis_cap ? wi : p.tis_cap;
+      const float wc = wi > p.tis_cap ? p.tis_cap : wi;  // a NaN weight stays NaN
       l = tis_scale(l, wc);
       g = tis_scale(g, wc);
     }

@@ -252,3 +252,24 @@ def test_bad_inputs_raise(mutate, exc, match):
     mutate(t, k)
     with pytest.raises(exc, match=match):
         crf.value_loss(t["values"], t["old_values"], t["returns"], t["loss_mask"], **k)
+
+
+def test_torch_backend_wrapper_is_the_reference_with_every_argument():
+    """backend="torch" hands every argument to the reference (compared with the reference called directly,
+    on inputs where each argument changes the result)."""
+    b = packed_batch(SHAPE_TABLE["four_segments"], seed=3)
+    x = value_inputs(b["loss_mask"].numel(), seed=3, offset=1.0)
+    kw = dict(clip=0.15, cu_seqlens=b["cu_seqlens"], cu_segments=b["cu_segments"], reduction="rollout-mean",
+              denominator=5)
+    args = (x["values"], x["old_values"], x["returns"], b["loss_mask"])
+    got, gm = crf.value_loss(*args, backend="torch", **kw)
+    want, wm = ref.value_loss(*args, **kw)
+    assert got.dtype == torch.float32 and got.item() == want.float().item()
+    assert all(gm[k].item() == wm[k].float().item() for k in wm)
+    for k, other in [("clip", None), ("cu_seqlens", None), ("cu_segments", None), ("reduction", "segment-mean"),
+                     ("denominator", None)]:
+        changed = dict(kw, **{k: other})
+        if k == "cu_seqlens":
+            changed.update(cu_segments=None, reduction="token-mean")
+        alt, alt_m = ref.value_loss(*args, **changed)
+        assert alt.item() != want.item() or any(alt_m[m].item() != wm[m].item() for m in wm), k

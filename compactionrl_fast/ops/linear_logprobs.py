@@ -157,6 +157,9 @@ class _Chunker:
         return (x, z) if x is z else (x.copy_(z), z)
 
 
+_FP32_OUT_MM = [True]  # whether torch.addmm(..., out_dtype=float32) works for bf16/fp16 CUDA matmuls
+
+
 class _Grads:
     """Accumulates d hidden, d W, d b chunk by chunk (W and b in fp32 unless they are fp32 already)."""
 
@@ -183,8 +186,12 @@ class _Grads:
                 self.dw = d.T @ h_c
             elif d.dtype == torch.float32:
                 self.dw.addmm_(d.T, h_c)
-            elif d32 is None and d.device.type == "cuda":
-                torch.addmm(self.dw, d.T, h_c, out_dtype=torch.float32, out=self.dw)
+            elif d32 is None and d.device.type == "cuda" and _FP32_OUT_MM[0]:
+                try:
+                    torch.addmm(self.dw, d.T, h_c, out_dtype=torch.float32, out=self.dw)
+                except (RuntimeError, TypeError, NotImplementedError):  # a torch without it: upcast instead
+                    _FP32_OUT_MM[0] = False
+                    self.dw.addmm_(d.T.float(), h_c.float())
             else:
                 self.dw.addmm_((d if d32 is None else d32).T.float(), h_c.float())
         if self.db is not None:

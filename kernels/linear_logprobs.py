@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 TILE = 2048  # elements per [BT, BV] block: 16 fp32 lanes per thread per accumulator at 4 warps
-NEG = tl.constexpr(-1e30)  # finite "minus infinity" for the running max: keeps every difference finite
+# finite "minus infinity" for the running max (float32's lowest): keeps every difference finite or -inf,
+# never NaN, and stays below any finite logit (at temperature 1e-30 logits reach -1e31)
+NEG = tl.constexpr(-3.4028234663852886e38)
 
 
 def tile_shape(V, tile=TILE):

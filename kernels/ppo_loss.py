@@ -63,7 +63,7 @@ def ppo_loss_fwd_kernel(logp, old, adv, roll, mask, cu, scale, grad, part, T, S,
     b_clip = b_l2 > b_l1
     b_l = tl.where(b_clip, b_l2, b_l1)
     b_ld = -dual_c * b_a
-    b_dual = (b_a < 0.0) & (b_l > b_ld)
+    b_dual = (b_a < 0.0) & (b_l > b_ld) & (dual_c < 3.4e38)  # float32 max (~3.403e38): off, also for an inf l
     b_l = tl.where(b_dual, b_ld, b_l)
     b_g = tl.where(b_clip | b_dual, 0.0, b_l1)
     if HAS_TIS:

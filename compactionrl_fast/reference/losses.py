@@ -74,13 +74,15 @@ def ppo_token_losses(logprobs, old_logprobs, advantages, *, clip_low=0.2, clip_h
     ratio = torch.exp(lp - old)
     l1 = -adv * ratio
     l2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss_tok = torch.maximum(l1, l2)
+    # max(l1, l2), min(., l3) written as selects: at a tie the gradient is the unclipped branch's (as in the
+    # kernels), not the half-and-half of torch.maximum; a NaN l1 stays NaN
     clipped = l2 > l1
+    loss_tok = torch.where(clipped, l2, l1)
     dual = torch.zeros_like(clipped)
     if dual_clip is not None:
         l3 = -adv * dual_clip
         dual = (adv < 0) & (loss_tok > l3)
-        loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, l3), loss_tok)
+        loss_tok = torch.where(dual, l3, loss_tok)
     if rollout_logprobs is not None:
         w_is = torch.exp(old - rollout_logprobs.detach().cpu().double())
         if tis_cap is not None:
@@ -128,7 +130,10 @@ def value_token_losses(values, old_values, returns, *, clip=None):
     d = v - old
     v_clip = torch.where(d.abs() <= clip, v, old + torch.clamp(d, -clip, clip))
     q2 = (v_clip - ret) ** 2
-    return 0.5 * torch.maximum(q1, q2), (q2 > q1)
+    # max(q1, q2) as a select: at a tie the gradient is the unclipped branch's (as in the kernels); a NaN of
+    # either side stays NaN
+    clipped = q2 > q1
+    return 0.5 * torch.where(clipped | q2.isnan(), q2, q1), clipped
 
 
 def value_loss(values, old_values, returns, loss_mask, *, clip=None, cu_seqlens=None, cu_segments=None,

@@ -94,7 +94,8 @@ CRF_HDI PpoToken ppo_token(float x, float adv, float ratio_lo, float ratio_hi, f
   const bool clipped = l2 > l1;
   const float l = clipped ? l2 : l1;
   const float ld = -dual_c * adv;
-  const bool dual = (adv < 0.0f) & (l > ld);
+  // dual_c = FLT_MAX is "off" also for an infinite l (inf > -FLT_MAX * A would switch it on)
+  const bool dual = (adv < 0.0f) & (l > ld) & (dual_c < 3.40282347e38f);
   o.loss = dual ? ld : l;
   o.dlogp = (clipped | dual) ? 0.0f : l1;
   o.clipped = clipped ? 1.0f : 0.0f;

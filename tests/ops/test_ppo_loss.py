@@ -540,3 +540,24 @@ def test_bad_offsets_never_crash_the_cuda_kernels_on_host(cuda_host_lib):
         pytest.skip("one block shape is enough")
     out = _run_bad_offsets(lib._name)
     assert "op ppo_policy_loss [0, 4, 1099511627776, 10] returned" in out
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+def test_no_dual_clip_stays_off_for_an_infinite_loss(backend):
+    """dual_clip=None is passed to the kernels as float32's max: with A < 0 and a ratio past float32 the
+    token loss is +inf, and the dual clip must not switch on (it would cap the loss at 3.4e38 * |A|)."""
+    lp = torch.tensor([600.0, 0.0], requires_grad=True)
+    loss, m = crf.ppo_policy_loss(lp, torch.zeros(2), torch.tensor([-0.5, 1.0]), torch.ones(2, dtype=torch.bool),
+                                  backend=backend)
+    assert loss.item() == float("inf") and m["dual_clip_fraction"].item() == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+def test_clip_boundary_tie_takes_the_unclipped_gradient(backend):
+    """ratio exactly 1 + clip_high with A > 0: both branches equal; every backend and the reference give
+    the unclipped branch's gradient -A * ratio (not torch.maximum's half)."""
+    lp = torch.tensor([0.0, 0.0], requires_grad=True)
+    loss, _ = crf.ppo_policy_loss(lp, torch.zeros(2), torch.tensor([1.0, 2.0]), torch.ones(2, dtype=torch.bool),
+                                  clip_low=0.0, clip_high=0.0, backend=backend)
+    loss.backward()
+    assert lp.grad.tolist() == [-0.5, -1.0]

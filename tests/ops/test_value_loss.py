@@ -273,3 +273,14 @@ def test_torch_backend_wrapper_is_the_reference_with_every_argument():
             changed.update(cu_segments=None, reduction="token-mean")
         alt, alt_m = ref.value_loss(*args, **changed)
         assert alt.item() != want.item() or any(alt_m[m].item() != wm[m].item() for m in wm), k
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+def test_clip_tie_takes_the_unclipped_gradient(backend):
+    """clip=0 with |v - R| = |old - R|: both branches equal; every backend and the reference give the
+    unclipped gradient v - R (not torch.maximum's half)."""
+    v = torch.tensor([101.3125, 1.0], requires_grad=True)
+    loss, _ = crf.value_loss(v, torch.tensor([100.4375, 1.0]), torch.tensor([100.875, 0.0]),
+                             torch.ones(2, dtype=torch.bool), clip=0.0, reduction="sum", backend=backend)
+    loss.backward()
+    assert v.grad.tolist() == [0.4375, 1.0]

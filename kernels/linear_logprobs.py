@@ -55,7 +55,8 @@ def linear_logprobs_stats_kernel(x_ptr, stride_x, y_ptr, lse_ptr, logp_ptr, ent_
         b_e = tl.exp(b_z - b_mn)
         if ENTROPY:
             # a -inf logit (or a masked lane) has p = 0; its p * log p term is 0, not 0 * -inf
-            b_w = b_a * (b_w + b_s * b_d) + b_e * tl.where(b_e > 0, b_z - b_mn, 0.0)
+            # b_d may be -inf (NEG minus a large logit) where nothing was summed yet: b_s = 0 there
+            b_w = b_a * (b_w + tl.where(b_s > 0, b_s * b_d, 0.0)) + b_e * tl.where(b_e > 0, b_z - b_mn, 0.0)
         b_s = b_a * b_s + b_e
         b_m = b_mn
     # [BT]
@@ -70,7 +71,7 @@ def linear_logprobs_stats_kernel(x_ptr, stride_x, y_ptr, lse_ptr, logp_ptr, ent_
     tl.store(lse_ptr + o_t, b_lse, mask=m_t)
     tl.store(logp_ptr + o_t, b_zy - b_lse, mask=m_t)
     if ENTROPY:
-        b_wsum = tl.sum(b_sc * (b_w + b_s * (b_m - b_mx[:, None])), 1)
+        b_wsum = tl.sum(b_sc * (b_w + tl.where(b_s > 0, b_s * (b_m - b_mx[:, None]), 0.0)), 1)
         # H = lse - E[z] = log s - E[z - m]: no cancellation against a large lse
         tl.store(ent_ptr + o_t, tl.log(b_sum) - b_wsum / b_sum, mask=m_t)
 

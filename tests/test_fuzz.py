@@ -37,10 +37,6 @@ CASE_TIMEOUT_S = 120  # a case (several thousand tokens, interpreter included) t
 # ---------------------------------------------------------------- case generation (worker side)
 
 
-class Invalid(Exception):
-    """Raised by the generator's bookkeeping only: never by the ops."""
-
-
 def _layout(rng, torch, T):
     """(cu_seqlens [S+1], cu_segments [R+1] or None, loss_mask [T]) of a random packing of T tokens."""
     S = rng.randint(1, 6)
@@ -225,8 +221,6 @@ def _mutate(rng, torch, op, kw):
         if kw["targets"].numel():
             choices.append(("targets", "target = V", lambda: kw["targets"].clone().fill_(V)))
         choices.append(("temperature", "temperature 1e-300", lambda: 1e-300))
-    if "backend" in kw or op != "global_token_count":
-        pass
     name, desc, fn = rng.choice(choices)
     kw[name] = fn()
     if name == "denominator" and kw.get("reduction") == "sum":
@@ -354,6 +348,19 @@ def _scale(op, kw):
         return 1.0
 
 
+def _magnitude(kw):
+    """The largest finite |value| of the trainable positions of the float [T] inputs."""
+    import torch
+
+    m, out = kw.get("loss_mask"), 0.0
+    for v in kw.values():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and m is not None and v.shape == m.shape and m.any():
+            x = v.detach()[m].double()
+            x = x[torch.isfinite(x)]
+            out = max(out, float(x.abs().max()) if x.numel() else 0.0)
+    return out
+
+
 def run_case(seed, ops=OPS):
     """Run one case in this process: returns a dict {seed, op, outcome, detail}."""
     import importlib
@@ -400,7 +407,8 @@ def run_case(seed, ops=OPS):
                       .naive_linear_logprobs(**dict(nkw, **{grad_of: kw[grad_of].detach()})))
     for i, ((n, g), (_, w)) in enumerate(zip(got_l, want_l)):
         metric = n not in ("out", "0.out", "0", "1.out")
-        rtol, atol = (1e-3, 1e-5) if metric else (2e-4, 2e-5 * scale)
+        # metrics are float32 sums: absolute error ~ eps32 * the largest input (1e15 next to 100 cancels)
+        rtol, atol = (1e-3, 1e-5 + 1e-6 * _magnitude(rkw)) if metric else (2e-4, 2e-5 * scale)
         if op in ("value_head", "value_head_loss", "linear_logprobs"):
             rtol, atol = 1e-3, 1e-4 * (1.0 + float(torch.nan_to_num(w.detach().abs(), posinf=0).max()) if w.numel() else 1.0)
         if op == "segment_gae":

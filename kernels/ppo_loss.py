@@ -59,19 +59,22 @@ def ppo_loss_fwd_kernel(logp, old, adv, roll, mask, cu, scale, grad, part, T, S,
     b_a = tl.load(adv + o_t, mask=m_t, other=0.0).to(tl.float32)
     b_r = tl.exp(b_x)
     b_rc = tl.minimum(tl.maximum(b_r, ratio_lo), ratio_hi)
-    b_l1 = -b_a * b_r
+    # A = 0 with a ratio past float32: the loss is 0, not 0 * inf = NaN (csrc/common/ppo_math.h)
+    b_l1 = -b_a * tl.where((b_a == 0.0) & (b_r > 3.40282347e38), 0.0, b_r)
     b_l2 = -b_a * b_rc
     b_clip = b_l2 > b_l1
     b_l = tl.where(b_clip, b_l2, b_l1)
     b_ld = -dual_c * b_a
-    b_dual = (b_a < 0.0) & (b_l > b_ld)
+    b_dual = (b_a < 0.0) & (b_l > b_ld) & (dual_c < 3.4e38)  # float32 max (~3.403e38): off, also for an inf l
     b_l = tl.where(b_dual, b_ld, b_l)
     b_g = tl.where(b_clip | b_dual, 0.0, b_l1)
     if HAS_TIS:
         b_roll = tl.load(roll + o_t, mask=m_t, other=0.0).to(tl.float32)
-        b_is = tl.minimum(tl.exp(b_old - b_roll), tis_cap)
-        b_l = b_l * b_is
-        b_g = b_g * b_is
+        b_is = tl.exp(b_old - b_roll)
+        b_is = tl.where(b_is > tis_cap, tis_cap, b_is)  # a NaN weight stays NaN (tl.minimum may drop it)
+        b_big = b_is > 3.40282347e38  # 0 * an overflowed weight is 0 (the float64 reference)
+        b_l = tl.where((b_l == 0.0) & b_big, b_l, b_l * b_is)
+        b_g = tl.where((b_g == 0.0) & b_big, b_g, b_g * b_is)
     b_w = segment_scale(o_t, cu, scale, S, n_iter, PER_SEG)
     if NEED_GRAD:
         tl.store(grad + o_t, tl.where(b_m, b_g * b_w, 0.0), mask=m_t)
@@ -81,7 +84,9 @@ def ppo_loss_fwd_kernel(logp, old, adv, roll, mask, cu, scale, grad, part, T, S,
     tl.store(p_part + 2, tl.sum((b_m & b_clip).to(tl.float32), 0))
     tl.store(p_part + 3, tl.sum((b_m & b_dual).to(tl.float32), 0))
     tl.store(p_part + 4, tl.sum(tl.where(b_m, kl_term(b_x, b_r), 0.0), 0))
-    tl.store(p_part + 5, tl.max(tl.where(b_m, b_r, 0.0), 0))
+    # tl.max may drop NaN on GPU: a NaN ratio of a trainable token is stored as NaN explicitly
+    b_nan = tl.max((b_m & (b_r != b_r)).to(tl.int32), 0)
+    tl.store(p_part + 5, tl.where(b_nan > 0, float("nan"), tl.max(tl.where(b_m, b_r, 0.0), 0)))
 
 
 def search_steps(S: int) -> int:
@@ -96,6 +101,8 @@ def ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs
     dual_clip_fraction, approx_kl, ratio_max), grad float32 [T] (or [0] without need_grad))."""
     T, device = logprobs.numel(), logprobs.device
     S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+    if S < 1 and T > 0:  # a shape check: the kernel would read seg_scale[0] of []
+        raise ValueError(f"cu_seqlens must have at least 2 elements when T > 0, got {S + 1}")
     n_blocks = triton.cdiv(T, BT)
     grad = empty(T if need_grad else 0, device=device)
     part = empty(n_blocks, N_PARTS, device=device)

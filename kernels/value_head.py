@@ -60,7 +60,8 @@ def value_head_bwd_kernel(h, w, g, dh, dw_part, T, H, stride_t, n_blocks, NEED_D
         if NEED_DW:
             # [BT, BH]
             b_h = tl.load(h + o_t[:, None] * stride_t + o_h[None, :], mask=m, other=0.0).to(tl.float32)
-            b_dw += tl.sum(b_h * b_g[:, None], 0)
+            # a zero-gradient row (a masked token) adds nothing, even if it holds inf/NaN
+            b_dw += tl.sum(tl.where(b_g[:, None] != 0.0, b_h * b_g[:, None], 0.0), 0)
     if NEED_DW:
         tl.store(dw_part + i_p.to(tl.int64) * H + o_h, b_dw, mask=m_h)
 

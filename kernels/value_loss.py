@@ -37,10 +37,11 @@ def value_loss_fwd_kernel(v, old, ret, mask, cu, scale, grad, part, T, S, n_iter
         # v_clip - R: e1 itself inside the clip range (old + (v - old) may round away from v and fake
         # a clip), else (old - R) +- eps, rounded once relative to the result (csrc/common/ppo_math.h)
         b_out = (b_old - b_r) + tl.where(b_d < 0.0, -eps, eps)
-        b_e2 = tl.where((b_d < -eps) | (b_d > eps), b_out, b_e1)
+        # a NaN d (NaN old value) takes b_out, NaN too; the max keeps a NaN of either side
+        b_e2 = tl.where((b_d >= -eps) & (b_d <= eps), b_e1, b_out)
         b_q2 = b_e2 * b_e2
         b_clip = b_q2 > b_q1
-        b_l = 0.5 * tl.where(b_clip, b_q2, b_q1)
+        b_l = 0.5 * tl.where(b_clip | (b_q2 != b_q2), b_q2, b_q1)
         b_g = tl.where(b_clip, 0.0, b_e1)
     else:
         b_clip = b_q1 < 0.0  # all false
@@ -73,6 +74,8 @@ def value_loss_fwd(values, old_values, returns, loss_mask, cu_seqlens, seg_scale
     value_mean, explained_variance), grad float32 [T] (or [0] without need_grad))."""
     T, device = values.numel(), values.device
     S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+    if S < 1 and T > 0:  # a shape check: the kernel would read seg_scale[0] of []
+        raise ValueError(f"cu_seqlens must have at least 2 elements when T > 0, got {S + 1}")
     n_blocks = triton.cdiv(T, BT)
     grad = empty(T if need_grad else 0, device=device)
     part = empty(n_blocks, N_PARTS, device=device)
@@ -100,7 +103,7 @@ def reduce_partials(part):
     inv = torch.where(n > 0, 1.0 / torch.where(n > 0, n, 1.0), 0.0)
     var_r = _combine(p[:, 1], p[:, 4], p[:, 5])
     var_e = _combine(p[:, 1], p[:, 6], p[:, 7])
-    ev = torch.where(var_r > 0, 1.0 - var_e / torch.where(var_r > 0, var_r, 1.0), 0.0)
+    ev = torch.where(var_r <= 0, 0.0, 1.0 - var_e / torch.where(var_r <= 0, 1.0, var_r))  # NaN stays NaN
     metrics = torch.stack([tot[2] * inv, tot[3] * inv, ev]).float()
     return tot[0].float(), metrics
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import _alloc, _dispatch
-from ._validate import check_float, check_tensor
+from ._validate import check_float, check_tensor, value_checks
 
 HIDDEN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Logits elements per chunk buffer when chunk_size is None. CPU: 64 MB of fp32 (512 rows at V = 32768;
@@ -25,6 +25,10 @@ HIDDEN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # of the thin matmuls). CUDA: 512 MB of bf16 (~1760 rows at V = 151936: large enough for cuBLAS, small
 # next to the [V, H] fp32 weight-gradient accumulator).
 CHUNK_ELEMS = {"cpu": 1 << 24, "cuda": 1 << 28}
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+# log p below which p is 0 in float32 (exp(-104) flushes): the entropy gradient clamps log p there, so that
+# g * log p stays finite where p = 0 (tiny temperatures make log p ~ -1e30, and 0 * inf is NaN)
+LOG_P_FLOOR = -1.0e4
 
 
 def default_chunk_size(T: int, V: int, device: torch.device) -> int:
@@ -45,9 +49,18 @@ def _logits(h_c, weight, bias, scale, out):
     return torch.addmm(bias, h_c, weight.T, beta=scale, alpha=scale, out=out)
 
 
-def _stats_torch(z, y, lse, logp, ent, tmp):
+def _target_index(y, V):
+    """(y clamped into [0, V), y in range) [c]: out-of-range targets (unchecked on CUDA) read column 0 and
+    are then given logp NaN and no one-hot gradient term, never an out-of-bounds access."""
+    ok = (y >= 0) & (y < V)
+    return torch.where(ok, y, 0), ok
+
+
+def _stats_torch(z, y, lse, logp, ent, tmp, rowmax=None, logsum=None):
     """lse, logp (and entropy) of the fp32 logits z [c, V]. With a tmp buffer, leaves z - max in z and
-    returns the shift [c] that turns it into log p; without one (no entropy), clobbers z."""
+    returns the shift [c] that turns it into log p; without one (no entropy), clobbers z. rowmax, logsum:
+    [c] outputs of max_v z and log sum_v exp(z - max) (for a backward that recomputes the logits)."""
+    y, ok = _target_index(y, z.shape[1])
     z_y = z.gather(1, y[:, None])[:, 0]
     m = z.amax(1)
     z.sub_(m[:, None])  # d = z - max
@@ -55,7 +68,11 @@ def _stats_torch(z, y, lse, logp, ent, tmp):
     s = e.sum(1)
     log_s = s.log()
     lse.copy_(m + log_s)
-    logp.copy_(z_y - lse)
+    # logp = (z_y - max) - log s, never z_y - lse (lse rounds at large logits)
+    logp.copy_(torch.where(ok, (z_y - m) - log_s, float("nan")))
+    if rowmax is not None:
+        rowmax.copy_(m)
+        logsum.copy_(log_s)
     if ent is not None:  # H = log s - E[d], never lse - E[z] (cancellation when lse is large)
         ent.copy_(log_s - e.mul_(z).sum(1) / s)  # mul + pairwise sum: 10x more precise than a bmm dot
     return log_s
@@ -66,16 +83,19 @@ def _dlogits_torch(z, y, shift, ent, g_lp, g_ent, tmp, z_is_exp=False):
 
     z_is_exp: z holds exp(z - max) = p * exp(shift) instead (left so by `_stats_torch` without tmp).
     """
+    y, ok = _target_index(y, z.shape[1])
     if z_is_exp:
         z.mul_((-g_lp * torch.exp(-shift))[:, None])
     elif g_ent is None:
         z.sub_(shift[:, None]).exp_().mul_(-g_lp[:, None])
     else:
+        # log p = z - shift >= LOG_P_FLOOR: unchanged where p > 0, keeps g_ent * log p finite where p = 0
+        torch.maximum(z, (shift + LOG_P_FLOOR)[:, None], out=z)
         p = torch.sub(z, shift[:, None], out=tmp).exp_()
         # -p * (g_lp + g_ent * (z - shift + H)) = p * (-g_ent * z - (g_lp + g_ent * (H - shift)))
         c = -(g_lp + g_ent * (ent - shift))
         torch.addcmul(c[:, None], z, -g_ent[:, None], out=z).mul_(p)
-    z.scatter_add_(1, y[:, None], g_lp[:, None])
+    z.scatter_add_(1, y[:, None], torch.where(ok, g_lp, 0.0)[:, None])
     return z
 
 
@@ -107,26 +127,37 @@ class _Chunker:
             return x, x
         return x, torch.mul(x, self.inv_t, out=self.fbuf[:c])
 
-    def stats(self, sl, y, lse, logp, ent):
-        """Write lse, logp, ent of rows `sl`. Returns the chunk's state (x, z, shift, z_is_exp) for
-        `dlogits`: the Triton kernels leave x as it was; the PyTorch path leaves z - max in z, or
-        exp(z - max) when it has no tmp buffer."""
+    def stats(self, sl, y, lse, logp, ent, rowmax=None, logsum=None):
+        """Write lse, logp, ent of rows `sl` (and, PyTorch path, rowmax and logsum, see `_stats_torch`).
+        Returns the chunk's state (x, z, shift, z_is_exp) for `dlogits`: the Triton kernels leave x as it
+        was; the PyTorch path leaves z - max in z, or exp(z - max) when it has no tmp buffer."""
         x, z = self.logits(sl)
         if self.use_triton:
             from ..kernels.linear_logprobs import linear_logprobs_stats
             linear_logprobs_stats(x, y, lse, logp, ent, self.inv_t)
             return x, z, lse, False
-        return x, z, _stats_torch(z, y, lse, logp, ent, self._tmp(z)), self.tmp is None
+        return x, z, _stats_torch(z, y, lse, logp, ent, self._tmp(z), rowmax, logsum), self.tmp is None
 
-    def dlogits(self, sl, y, lse, ent, g_lp, g_ent, state=None):
-        """dL/dz of the rows `sl` in the matmul dtype (a view of the chunk buffer). Recomputes the logits
-        unless `state` (from `stats` on this chunk) still holds them."""
-        x, z, shift, z_is_exp = state if state is not None else (*self.logits(sl), lse, False)
+    def dlogits(self, sl, y, lse, ent, g_lp, g_ent, state=None, rowmax=None, logsum=None):
+        """dL/dz of the rows `sl` in the matmul dtype (a view of the chunk buffer), and the same in fp32
+        when the PyTorch path has it (else None). Recomputes the logits unless `state` (from `stats` on
+        this chunk) still holds them; the PyTorch path then shifts them by the forward's row max
+        `rowmax` and takes log p = (z - max) - logsum, which keeps its digits at large logits (z - lse
+        would cancel)."""
+        if state is None:
+            x, z = self.logits(sl)
+            state = (x, z, lse, False)
+            if not self.use_triton and rowmax is not None:
+                state = (x, z.sub_(rowmax[:, None]), logsum, False)
+        x, z, shift, z_is_exp = state
         if self.use_triton:
             from ..kernels.linear_logprobs import linear_logprobs_dlogits
-            return linear_logprobs_dlogits(x, y, shift, ent, g_lp, g_ent, self.inv_t)
+            return linear_logprobs_dlogits(x, y, shift, ent, g_lp, g_ent, self.inv_t), None
         _dlogits_torch(z, y, shift, ent, g_lp, g_ent, self._tmp(z), z_is_exp)
-        return x if x is z else x.copy_(z)
+        return (x, z) if x is z else (x.copy_(z), z)
+
+
+_FP32_OUT_MM = [True]  # whether torch.addmm(..., out_dtype=float32) works for bf16/fp16 CUDA matmuls
 
 
 class _Grads:
@@ -140,8 +171,13 @@ class _Grads:
         self.dw = torch.zeros(weight.shape, device=dev) if self.need_w and n_chunks != 1 else None
         self.db = torch.zeros(bias.shape, device=dev) if need_b else None
 
-    def add(self, sl, d):
-        """d: [c, V] dL/d(logits before the temperature), rows `sl`, in the matmul dtype."""
+    def add(self, sl, d, d32=None):
+        """d: [c, V] dL/d(logits before the temperature), rows `sl`, in the matmul dtype; d32: the same in
+        fp32 when the caller has it (the PyTorch path for bf16/fp16), else None.
+
+        d W accumulates in fp32 in place (no [V, H] temporary per chunk): addmm_ for fp32, cuBLAS's
+        fp32-output bf16/fp16 matmul on CUDA, else the fp32 d32 (or an fp32 copy of d, [c, V]) with h_c
+        upcast ([c, H])."""
         h_c = self.hidden[sl]
         if self.dh is not None:
             torch.mm(d, self.weight, out=self.dh[sl])
@@ -150,8 +186,14 @@ class _Grads:
                 self.dw = d.T @ h_c
             elif d.dtype == torch.float32:
                 self.dw.addmm_(d.T, h_c)
+            elif d32 is None and d.device.type == "cuda" and _FP32_OUT_MM[0]:
+                try:
+                    torch.addmm(self.dw, d.T, h_c, out_dtype=torch.float32, out=self.dw)
+                except (RuntimeError, TypeError, NotImplementedError):  # a torch without it: upcast instead
+                    _FP32_OUT_MM[0] = False
+                    self.dw.addmm_(d.T.float(), h_c.float())
             else:
-                self.dw += d.T @ h_c
+                self.dw.addmm_((d if d32 is None else d32).T.float(), h_c.float())
         if self.db is not None:
             self.db += d.sum(0, dtype=torch.float32)
 
@@ -174,13 +216,17 @@ def linear_logprobs_fwd(hidden, weight, bias, targets, inv_t, C, want_entropy, u
     lse = _alloc.empty(T, device=dev)
     logp = _alloc.empty(T, device=dev)
     ent = _alloc.empty(T, device=dev) if want_entropy else None
+    # the PyTorch path keeps each row's max and log-sum for the backward's log p (see `dlogits`)
+    rowmax, logsum = (None, None) if use_triton else (_alloc.empty(T, device=dev), _alloc.empty(T, device=dev))
     ck = _Chunker(hidden, weight, bias, inv_t, C, use_triton, need_tmp=want_entropy)
     for sl in _chunks(T, C):
-        ck.stats(sl, targets[sl], lse[sl], logp[sl], None if ent is None else ent[sl])
-    return lse, logp, ent
+        ck.stats(sl, targets[sl], lse[sl], logp[sl], None if ent is None else ent[sl],
+                 None if rowmax is None else rowmax[sl], None if logsum is None else logsum[sl])
+    return lse, logp, ent, rowmax, logsum
 
 
-def linear_logprobs_bwd(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, inv_t, C, needs, use_triton):
+def linear_logprobs_bwd(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, inv_t, C, needs, use_triton,
+                        rowmax=None, logsum=None):
     """Backward chunk loop: recompute each chunk's logits, form dL/dz, run the gradient matmuls.
 
     g_lp, g_ent: [T] upstream gradients (None: that output is unused). Returns (d hidden, d W, d b),
@@ -194,9 +240,10 @@ def linear_logprobs_bwd(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, in
     ck = _Chunker(hidden, weight, bias, inv_t, C, use_triton, need_tmp=g_ent is not None)
     grads = _Grads(hidden, weight, bias, needs, len(chunks))
     for sl in chunks:
-        d = ck.dlogits(sl, targets[sl], lse[sl], None if g_ent is None else ent[sl], g_lp[sl],
-                       None if g_ent is None else g_ent[sl])
-        grads.add(sl, d)
+        d, d32 = ck.dlogits(sl, targets[sl], lse[sl], None if g_ent is None else ent[sl], g_lp[sl],
+                            None if g_ent is None else g_ent[sl], rowmax=None if rowmax is None else rowmax[sl],
+                            logsum=None if logsum is None else logsum[sl])
+        grads.add(sl, d, d32)
     return grads.result()
 
 
@@ -205,21 +252,22 @@ class LinearLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, inv_t, C, want_entropy, use_triton):
-        lse, logp, ent = linear_logprobs_fwd(hidden, weight, bias, targets, inv_t, C, want_entropy, use_triton)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        lse, logp, ent, rowmax, logsum = linear_logprobs_fwd(hidden, weight, bias, targets, inv_t, C, want_entropy,
+                                                             use_triton)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent, rowmax, logsum)
         ctx.cfg = (inv_t, C, use_triton)
         ctx.set_materialize_grads(False)
         return (logp, ent) if want_entropy else logp
 
     @staticmethod
     def backward(ctx, g_lp, g_ent=None):
-        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, ent, rowmax, logsum = ctx.saved_tensors
         needs = tuple(ctx.needs_input_grad[:3])
         if (g_lp is None and g_ent is None) or not any(needs):
             return (None,) * 8
         inv_t, C, use_triton = ctx.cfg
         dh, dw, db = linear_logprobs_bwd(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, inv_t, C, needs,
-                                         use_triton)
+                                         use_triton, rowmax, logsum)
         return dh, dw, db, None, None, None, None, None
 
 
@@ -259,17 +307,24 @@ class LinearLogprobsLossFunction(torch.autograd.Function):
             state = ck.stats(sl, y, lse[sl], logp[sl], e)
             loss, g_lp, g_ent = _chunk_upstream(token_loss, logp[sl], e, sl)
             total += loss
-            d = ck.dlogits(sl, y, lse[sl], e, g_lp * inv_t, None if g_ent is None else g_ent * inv_t, state)
-            grads.add(sl, d)
+            d, d32 = ck.dlogits(sl, y, lse[sl], e, g_lp * inv_t, None if g_ent is None else g_ent * inv_t, state)
+            grads.add(sl, d, d32)
         ctx.grads = grads.result()
         ctx.mark_non_differentiable(logp, *([ent] if want_entropy else []))
         return (total, logp, ent) if want_entropy else (total, logp)
 
     @staticmethod
     def backward(ctx, g_loss, *unused):
-        scale = lambda g: None if g is None else (g if bool(g_loss == 1) else g * g_loss.to(g.dtype))
-        dh, dw, db = (scale(g) for g in ctx.grads)
-        ctx.grads = None
+        if ctx.grads is None:
+            raise RuntimeError(
+                "linear_logprobs_loss: backward ran a second time through the same loss (retain_graph=True): "
+                "its gradients are formed in the forward pass and handed out by the first backward only; "
+                "call linear_logprobs_loss again for another backward")
+        grads, ctx.grads = ctx.grads, None  # handed out (and scaled in place) once
+        # the common loss.backward() passes 1: skip the scaling then (a free check on CPU; on CUDA it
+        # would be a host sync, so the gradients are always scaled there)
+        one = g_loss.device.type == "cpu" and not torch.compiler.is_compiling() and g_loss.item() == 1.0
+        dh, dw, db = (g if g is None or one else g.mul_(g_loss.to(g.dtype)) for g in grads)
         return dh, dw, db, None, None, None, None, None, None
 
 
@@ -293,14 +348,17 @@ def _check_inputs(hidden, weight, targets, bias, temperature, chunk_size, return
     temperature = check_float("temperature", temperature, 0.0, float("inf"))
     if not 0.0 < temperature < float("inf"):
         raise ValueError(f"temperature must be a finite float > 0, got {temperature}")
+    if 1.0 / temperature > FLOAT32_MAX:
+        raise ValueError(f"temperature={temperature} is too small: the logits are scaled by 1/temperature in "
+                         f"float32, and 1/{temperature} overflows it (> {FLOAT32_MAX:.4g})")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
         raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if not isinstance(return_entropy, bool):
         raise TypeError(f"{entropy_name} must be a bool, got {type(return_entropy).__name__}")
-    if T:
-        lo, hi = (int(x) for x in torch.stack([targets.min(), targets.max()]).tolist())  # one host sync
+    if T and value_checks(targets):  # reads targets (a host sync on CUDA: only with COMPACTIONRL_FAST_CHECKS=1)
+        lo, hi = (int(x) for x in torch.stack([targets.min(), targets.max()]).tolist())
         if lo < 0 or hi >= V:
             bad = int(torch.nonzero((targets < 0) | (targets >= V))[0])
             raise ValueError(f"targets must be in [0, V={V}), got targets[{bad}]={int(targets[bad])}")
@@ -327,7 +385,9 @@ def linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, chun
     Args:
         hidden: [T, H] bf16/fp16/fp32 final hidden states.
         weight: [V, H] LM-head weight, hidden's dtype.
-        targets: [T] int64 (or int32) token ids in [0, V).
+        targets: [T] int64 (or int32) token ids in [0, V). Checked where value checks run (CPU tensors,
+            or COMPACTIONRL_FAST_CHECKS=1: a ValueError); unchecked (CUDA by default), an out-of-range
+            target gives logp NaN and no one-hot term in its row's gradient, never an out-of-bounds read.
         bias: [V] or None, hidden's dtype.
         temperature: float > 0, the sampler's temperature (logits are divided by it).
         chunk_size: rows per chunk; None picks about 64 MB of fp32 logits on CPU, 512 MB on CUDA.

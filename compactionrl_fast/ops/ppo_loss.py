@@ -88,7 +88,10 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, cu_seqlens
     Returns:
         (loss: float32 [], metrics: dict of float32 [] tensors "clip_fraction", "dual_clip_fraction",
         "approx_kl" (mean of (ratio-1) - log ratio), "ratio_max", over this call's trainable tokens; 0
-        when there is none).
+        when there is none). A ratio past float32 (log-ratio > ~88.7) shows as inf in ratio_max and
+        approx_kl (the float64 reference's value cast to float32); its token's loss is still exact when
+        a clip binds or A = 0. A NaN on a trainable token makes the loss (and ratio_max, approx_kl for a
+        NaN log-prob) NaN on every backend; inf/NaN on non-trainable tokens change nothing.
 
     Example:
         >>> import torch, compactionrl_fast as crf

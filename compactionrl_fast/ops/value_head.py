@@ -36,12 +36,28 @@ def _torch_fwd(hidden, w32, b32):
     return out if b32 is None else out + b32
 
 
+def _masked_rows(h, g):
+    """h [c, H] float32 with the rows of zero gradient g [c] set to 0: a masked token's row adds nothing
+    to d_weight even if it holds inf/NaN (the C++ and Triton kernels skip those rows)."""
+    return torch.where((g != 0)[:, None], h, 0.0)
+
+
 def _torch_bwd(hidden, w32, g, need_dh, need_dw):
-    """d_hidden (hidden's dtype) and d_weight (float32, chunks added in a fixed order)."""
+    """d_hidden (hidden's dtype) and d_weight (float32, chunks added in a fixed order).
+
+    d_weight skips rows whose gradient is 0. float32 on CPU: one gemv, redone with those rows zeroed only
+    when it is not finite (an O(H) check, no sync on CPU); elsewhere the chunks are masked as they are
+    upcast.
+    """
     T, H = hidden.shape
-    if hidden.dtype == torch.float32:
+    if hidden.dtype == torch.float32 and (hidden.device.type == "cpu" or not need_dw):
         dh = torch.outer(g, w32) if need_dh else None
         dw = torch.mv(hidden.t(), g) if need_dw else None
+        if need_dw and not torch.compiler.is_compiling() and not bool(torch.isfinite(dw).all()):
+            dw = torch.zeros(H, dtype=torch.float32, device=hidden.device)
+            c = _rows(T, H)
+            for i in range(0, T, c):
+                dw += torch.mv(_masked_rows(hidden[i:i + c], g[i:i + c]).t(), g[i:i + c])
         return dh, dw
     c = _rows(T, H)
     dh = torch.empty_like(hidden) if need_dh else None
@@ -50,7 +66,10 @@ def _torch_bwd(hidden, w32, g, need_dh, need_dw):
         if need_dh:
             dh[i:i + c] = torch.outer(g[i:i + c], w32)
         if need_dw:
-            dw += torch.mv(hidden[i:i + c].float().t(), g[i:i + c])
+            h32, g_c = hidden[i:i + c].float(), g[i:i + c]
+            # the upcast is a fresh copy unless hidden is float32: mask it in place then
+            h32 = h32.masked_fill_((g_c == 0)[:, None], 0.0) if hidden.dtype != torch.float32 else _masked_rows(h32, g_c)
+            dw += torch.mv(h32.t(), g_c)
     return dh, dw
 
 

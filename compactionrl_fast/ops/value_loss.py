@@ -67,7 +67,9 @@ def value_loss(values, old_values, returns, loss_mask, *, clip=None, cu_seqlens=
 
     Returns:
         (loss: float32 [], metrics: dict of float32 [] tensors "clip_fraction", "value_mean",
-        "explained_variance" (1 - Var(R - v) / Var(R) over trainable tokens; 0 if Var(R) = 0)).
+        "explained_variance" (1 - Var(R - v) / Var(R) over trainable tokens; 0 if Var(R) = 0)). A NaN
+        on a trainable token (values, returns, or old_values with `clip`) makes the loss NaN on every
+        backend; inf/NaN on non-trainable tokens change nothing.
 
     Example:
         >>> import torch, compactionrl_fast as crf

@@ -54,6 +54,16 @@ def token_weights(loss_mask, cu_seqlens=None, cu_segments=None, reduction="token
     return w
 
 
+def _masked(t, m, grad=False):
+    """float64 CPU copy of `t` [T] with 0 at the non-trainable positions (None stays None). Applied to the
+    inputs, before any arithmetic: an inf/NaN there then cannot reach the loss or, through 0 * NaN in a
+    backward, the gradient. `grad`: keep the autograd graph (logprobs, values)."""
+    if t is None:
+        return None
+    t = t.cpu().double() if grad else t.detach().cpu().double()
+    return torch.where(m, t, 0.0)
+
+
 def ppo_token_losses(logprobs, old_logprobs, advantages, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
                      rollout_logprobs=None, tis_cap=None):
     """Per-token clipped-PPO losses, float64 [T] on CPU (differentiable in logprobs), with the per-token
@@ -64,13 +74,15 @@ def ppo_token_losses(logprobs, old_logprobs, advantages, *, clip_low=0.2, clip_h
     ratio = torch.exp(lp - old)
     l1 = -adv * ratio
     l2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss_tok = torch.maximum(l1, l2)
+    # max(l1, l2), min(., l3) written as selects: at a tie the gradient is the unclipped branch's (as in the
+    # kernels), not the half-and-half of torch.maximum; a NaN l1 stays NaN
     clipped = l2 > l1
+    loss_tok = torch.where(clipped, l2, l1)
     dual = torch.zeros_like(clipped)
     if dual_clip is not None:
         l3 = -adv * dual_clip
         dual = (adv < 0) & (loss_tok > l3)
-        loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, l3), loss_tok)
+        loss_tok = torch.where(dual, l3, loss_tok)
     if rollout_logprobs is not None:
         w_is = torch.exp(old - rollout_logprobs.detach().cpu().double())
         if tis_cap is not None:
@@ -86,8 +98,8 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, cu_seqlens
     `logprobs` (cast to float64 inside, so the gradient reaches the caller's tensor)."""
     m = loss_mask.cpu()
     loss_tok, ratio, clipped, dual = ppo_token_losses(
-        logprobs, old_logprobs, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-        rollout_logprobs=rollout_logprobs, tis_cap=tis_cap)
+        _masked(logprobs, m, grad=True), _masked(old_logprobs, m), _masked(advantages, m), clip_low=clip_low,
+        clip_high=clip_high, dual_clip=dual_clip, rollout_logprobs=_masked(rollout_logprobs, m), tis_cap=tis_cap)
     w = token_weights(m, cu_seqlens, cu_segments, reduction, denominator)
     loss = torch.where(m, loss_tok * w, 0.0).sum()
     n = int(m.sum())
@@ -118,14 +130,18 @@ def value_token_losses(values, old_values, returns, *, clip=None):
     d = v - old
     v_clip = torch.where(d.abs() <= clip, v, old + torch.clamp(d, -clip, clip))
     q2 = (v_clip - ret) ** 2
-    return 0.5 * torch.maximum(q1, q2), (q2 > q1)
+    # max(q1, q2) as a select: at a tie the gradient is the unclipped branch's (as in the kernels); a NaN of
+    # either side stays NaN
+    clipped = q2 > q1
+    return 0.5 * torch.where(clipped | q2.isnan(), q2, q1), clipped
 
 
 def value_loss(values, old_values, returns, loss_mask, *, clip=None, cu_seqlens=None, cu_segments=None,
                reduction="token-mean", denominator=None):
     """Oracle for `compactionrl_fast.value_loss`: float64 (loss, metrics) on CPU, differentiable in `values`."""
     m = loss_mask.cpu()
-    loss_tok, clipped = value_token_losses(values, old_values, returns, clip=clip)
+    loss_tok, clipped = value_token_losses(_masked(values, m, grad=True), _masked(old_values, m),
+                                           _masked(returns, m), clip=clip)
     w = token_weights(m, cu_seqlens, cu_segments, reduction, denominator)
     loss = torch.where(m, loss_tok * w, 0.0).sum()
     zero = torch.zeros((), dtype=torch.float64)
@@ -133,7 +149,7 @@ def value_loss(values, old_values, returns, loss_mask, *, clip=None, cu_seqlens=
         return loss, {"clip_fraction": zero, "value_mean": zero, "explained_variance": zero}
     vm, rm = values.detach().cpu().double()[m], returns.detach().cpu().double()[m]
     var_r = rm.var(unbiased=False)
-    ev = 1.0 - (rm - vm).var(unbiased=False) / var_r if var_r > 0 else zero
+    ev = zero if var_r <= 0 else 1.0 - (rm - vm).var(unbiased=False) / var_r  # a NaN var_r gives NaN
     metrics = {"clip_fraction": clipped[m].double().mean(), "value_mean": vm.mean(), "explained_variance": ev}
     return loss, metrics
 

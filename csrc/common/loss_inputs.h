@@ -21,6 +21,9 @@ inline int64_t check_segments(const char* op, int64_t T, const at::Tensor& loss_
   TORCH_CHECK(loss_mask.scalar_type() == at::kBool && loss_mask.numel() == T && loss_mask.is_contiguous(), op,
               ": loss_mask must be a contiguous bool [T] tensor");
   const int64_t S = cu_seqlens ? cu_seqlens->numel() - 1 : 1;
+  // a shape check (no device read): tokens need a segment, or the kernels would read seg_scale[0] of []
+  TORCH_CHECK_VALUE(S >= 1 || (S == 0 && T == 0), op, ": cu_seqlens must have at least 2 elements when T > 0, got ",
+                    S + 1);
   TORCH_CHECK(seg_scale.scalar_type() == at::kDouble && seg_scale.numel() == S && seg_scale.is_contiguous(), op,
               ": seg_scale must be a contiguous float64 [S] tensor");
   TORCH_CHECK(!cu_seqlens || ((cu_seqlens->scalar_type() == at::kInt || cu_seqlens->scalar_type() == at::kLong) &&

@@ -87,11 +87,17 @@ CRF_HDI PpoToken ppo_token(float x, float adv, float ratio_lo, float ratio_hi, f
   PpoToken o;
   o.ratio = exp_f32(x);
   const float rc = o.ratio < ratio_lo ? ratio_lo : (o.ratio > ratio_hi ? ratio_hi : o.ratio);
-  const float l1 = -adv * o.ratio, l2 = -adv * rc;
+  // A = 0 with a ratio past float32 (x > ~88.7): the loss -A*ratio is 0 (the float64 reference and verl
+  // say so), not 0 * inf = NaN. A NaN ratio stays NaN (NaN > max is false). Two plain selects: one on a
+  // compound condition ((adv == 0) & (ratio > max)) stopped gcc 12 from vectorising the CPU loop.
+  const float rcap = o.ratio > 3.40282347e38f ? 3.40282347e38f : o.ratio;
+  const float rl = adv == 0.0f ? rcap : o.ratio;
+  const float l1 = -adv * rl, l2 = -adv * rc;
   const bool clipped = l2 > l1;
   const float l = clipped ? l2 : l1;
   const float ld = -dual_c * adv;
-  const bool dual = (adv < 0.0f) & (l > ld);
+  // dual_c = FLT_MAX is "off" also for an infinite l (inf > -FLT_MAX * A would switch it on)
+  const bool dual = (adv < 0.0f) & (l > ld) & (dual_c < 3.40282347e38f);
   o.loss = dual ? ld : l;
   o.dlogp = (clipped | dual) ? 0.0f : l1;
   o.clipped = clipped ? 1.0f : 0.0f;
@@ -116,13 +122,27 @@ CRF_HDI ValueToken value_token(float v, float old_v, float ret, float eps, bool 
   // clip), else (old - R) +- eps, which rounds once relative to the result (old +- eps, then - R,
   // would lose digits when |old| >> |v_clip - R|)
   const float outside = (old_v - ret) + (d < 0.0f ? -eps : eps);
-  const float e2 = (d < -eps) | (d > eps) ? outside : e1;
+  // written so that a NaN d (a NaN old value) takes `outside`, which is NaN too
+  const float e2 = (d >= -eps) & (d <= eps) ? e1 : outside;
   const float q1 = e1 * e1, q2 = e2 * e2;
   const bool clipped = use_clip & (q2 > q1);
-  o.loss = 0.5f * (clipped ? q2 : q1);
+  // max(q1, q2) that keeps a NaN of either side, as torch.maximum in the reference does
+  const bool nan2 = use_clip & (q2 != q2);
+  o.loss = 0.5f * ((clipped | nan2) ? q2 : q1);
   o.dv = clipped ? 0.0f : e1;
   o.clipped = clipped ? 1.0f : 0.0f;
   return o;
 }
+
+// l * w for the truncated importance weight w: 0 when l = 0 even if w overflowed float32 (the float64
+// reference gives 0 there), NaN kept.
+CRF_HDI float tis_scale(float l, float w) {
+  const float wcap = w > 3.40282347e38f ? 3.40282347e38f : w;
+  const float lw = l * w, lwcap = l * wcap;
+  return l == 0.0f ? lwcap : lw;
+}
+
+// max(a, b) that returns NaN when either is NaN (torch.max semantics; a plain a > b ? a : b drops it).
+CRF_HDI float nan_max(float a, float b) { return (a > b) | (a != a) ? a : b; }
 
 }  // namespace crf

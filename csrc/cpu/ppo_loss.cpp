@@ -56,9 +56,9 @@ CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w
     float l = o.loss, g = o.dlogp;
     if (TIS) {
       const float wi = crf::exp_f32(old[i] - roll[i]);
-      const float wc = wi < cap ? wi : cap;
-      l *= wc;
-      g *= wc;
+      const float wc = wi > cap ? cap : wi;  // a NaN weight stays NaN
+      l = crf::tis_scale(l, wc);
+      g = crf::tis_scale(g, wc);
     }
     const float gw = g * wf, k = crf::kl_term(x, o.ratio);
     if (GRAD) grad[i] = m ? gw : 0.0f;
@@ -70,11 +70,17 @@ CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w
     buf[R][i] = m ? o.ratio : 0.0f;
   }
   p[kLoss] += w * crf::lane_sum(buf[L], n);
-  p[kKl] += crf::lane_sum(buf[K], n);
+  const double kl = crf::lane_sum(buf[K], n);
+  p[kKl] += kl;
   p[kTokens] += crf::lane_sum(buf[N], n);
   p[kClipped] += crf::lane_sum(buf[C], n);
   p[kDual] += crf::lane_sum(buf[D], n);
-  p[kRatioMax] = std::max(p[kRatioMax], (double)crf::lane_max(buf[R], n));
+  double rm = crf::lane_max(buf[R], n);
+  // lane_max drops NaN; a NaN ratio of a trainable token makes its KL term NaN too, so only then look
+  // for it (a NaN log-prob must show in ratio_max, as in the reference)
+  if (kl != kl)
+    for (int64_t i = 0; i < n; ++i) rm = buf[R][i] != buf[R][i] ? buf[R][i] : rm;
+  p[kRatioMax] = (rm > p[kRatioMax]) | (rm != rm) ? rm : p[kRatioMax];  // keeps a NaN
 }
 
 }  // namespace
@@ -91,6 +97,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cpu(
   const int64_t S =
       crf::check_ppo_inputs(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale,
                             /*cuda=*/false);
+  if (cu_seqlens) crf::check_offsets_host("ppo_policy_loss", *cu_seqlens, T);
   auto f32 = logprobs.options();
   at::Tensor grad = crf::grad_output(need_grad, T, f32);
   const int64_t n_blocks = crf::n_blocks(T);
@@ -111,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cpu(
   const double* p = part.data_ptr<double>();
   for (int64_t b = 0; b < n_blocks; ++b, p += kParts) {
     for (int k = 0; k < kRatioMax; ++k) tot[k] += p[k];
-    tot[kRatioMax] = std::max(tot[kRatioMax], p[kRatioMax]);
+    tot[kRatioMax] = (p[kRatioMax] > tot[kRatioMax]) | (p[kRatioMax] != p[kRatioMax]) ? p[kRatioMax] : tot[kRatioMax];
   }
   const double n = tot[kTokens], inv = n > 0 ? 1.0 / n : 0.0;
   at::Tensor loss = at::scalar_tensor(tot[kLoss], f32);

@@ -4,6 +4,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "segment_runs.h"
+
 namespace {
 
 at::Tensor segment_counts_cpu(const at::Tensor& loss_mask, const at::Tensor& cu_seqlens) {
@@ -12,7 +14,11 @@ at::Tensor segment_counts_cpu(const at::Tensor& loss_mask, const at::Tensor& cu_
   auto mask = loss_mask.contiguous();
   auto cs = cu_seqlens.contiguous();
   const int64_t S = cs.numel() - 1;
-  TORCH_CHECK(S >= 0, "segment_counts: cu_seqlens must have at least one element");
+  TORCH_CHECK_VALUE(S >= 0, "segment_counts: cu_seqlens must have at least one element");
+  TORCH_CHECK_VALUE(cs.scalar_type() == at::kInt || cs.scalar_type() == at::kLong,
+                    "segment_counts: cu_seqlens must be an int32/int64 tensor");
+  // the loop below indexes loss_mask with the offsets: check them (O(S) on the host, no sync on CPU)
+  crf::check_offsets_host("segment_counts", cs, mask.numel());
   at::Tensor out = at::empty({S}, cs.options().dtype(at::kLong));
   const uint8_t* pm = reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>());
   int64_t* po = out.data_ptr<int64_t>();

@@ -53,7 +53,8 @@ CRF_INLINE void bwd_rows(const scalar_t* h, const float* w, const float* g, scal
       scalar_t* d = dh + t * H;
       for (int64_t i = 0; i < H; ++i) d[i] = static_cast<scalar_t>(gt * w[i]);
     }
-    if (part != nullptr) {
+    // a row with a zero gradient (a masked token) adds nothing, even if it holds inf/NaN (0 * NaN = NaN)
+    if (part != nullptr && gt != 0.0f) {
       const scalar_t* x = h + t * H;
       for (int64_t i = 0; i < H; ++i) part[i] += static_cast<float>(x[i]) * gt;
     }

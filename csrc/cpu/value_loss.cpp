@@ -122,6 +122,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(
   const int64_t T = values.numel();
   const int64_t S =
       crf::check_value_inputs(values, old_values, returns, loss_mask, cu_seqlens, seg_scale, /*cuda=*/false);
+  if (cu_seqlens) crf::check_offsets_host("value_loss", *cu_seqlens, T);
   auto f32 = values.options();
   at::Tensor grad = crf::grad_output(need_grad, T, f32);
   const int64_t n_blocks = crf::n_blocks(T);
@@ -152,7 +153,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(
   float* m = metrics.data_ptr<float>();
   m[0] = (float)(nc * inv);                                  // clip_fraction
   m[1] = (float)(sv * inv);                                  // value_mean
-  m[2] = (float)(var_r > 0.0 ? 1.0 - me.var() / var_r : 0.0);  // explained_variance
+  m[2] = (float)(var_r <= 0.0 ? 0.0 : 1.0 - me.var() / var_r);  // explained_variance (NaN stays NaN)
   return {at::scalar_tensor(loss, f32), metrics, grad};
 }
 

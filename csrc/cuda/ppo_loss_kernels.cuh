@@ -50,9 +50,9 @@ struct Add {
   template <typename T>
   __device__ T operator()(T a, T b) const { return a + b; }
 };
-struct Max {
+struct Max {  // keeps a NaN of either side (a NaN log-prob must show in ratio_max)
   template <typename T>
-  __device__ T operator()(T a, T b) const { return a > b ? a : b; }
+  __device__ T operator()(T a, T b) const { return (a > b) | (a != a) ? a : b; }
 };
 
 template <typename idx_t, bool TIS>
@@ -71,10 +71,12 @@ __global__ void __launch_bounds__(kThreads) ppo_loss_block_kernel(Params p) {
     float l = o.loss, g = o.dlogp;
     if (TIS) {
       const float wi = exp_f32(p.old[t] - p.roll[t]);
-      const float wc = wi < p.tis_cap ? wi : p.tis_cap;
-      l *= wc;
-      g *= wc;
+      const float wc = wi > p.tis_cap ? p.tis_cap : wi;  // a NaN weight stays NaN
+      l = tis_scale(l, wc);
+      g = tis_scale(g, wc);
     }
+    // the offsets only steer a binary search over cu[0..S]: any values (even bad ones, unchecked on CUDA)
+    // give an index in [0, S), so bad offsets give wrong weights, never an out-of-bounds read
     const float w = (float)(cu == nullptr ? p.scale[0] : p.scale[upper_index(cu, p.S, t)]);
     if (p.grad != nullptr) p.grad[t] = m ? g * w : 0.f;
     loss += m ? l * w : 0.f;
@@ -82,7 +84,7 @@ __global__ void __launch_bounds__(kThreads) ppo_loss_block_kernel(Params p) {
     nc += m ? o.clipped : 0.f;
     nd += m ? o.dual : 0.f;
     kl += m ? kl_term(x, o.ratio) : 0.f;
-    rmax = (m && o.ratio > rmax) ? o.ratio : rmax;
+    rmax = m ? nan_max(o.ratio, rmax) : rmax;
   }
   float* out = p.part + (int64_t)blockIdx.x * kParts;
   const float vals[5] = {loss, n, nc, nd, kl};
@@ -103,7 +105,7 @@ __global__ void __launch_bounds__(kThreads) ppo_loss_reduce_kernel(const float* 
   for (int64_t b = threadIdx.x; b < n_blocks; b += kThreads) {
 #pragma unroll
     for (int k = 0; k < 5; ++k) acc[k] += part[b * kParts + k];
-    acc[5] = acc[5] > part[b * kParts + 5] ? acc[5] : (double)part[b * kParts + 5];
+    acc[5] = Max()(acc[5], (double)part[b * kParts + 5]);
   }
   double tot[6];
 #pragma unroll

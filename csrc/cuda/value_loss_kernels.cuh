@@ -79,6 +79,7 @@ __global__ void __launch_bounds__(kThreads) value_loss_block_kernel(Params p) {
     if (t >= p.T) continue;
     const float v = p.v[t], r = p.ret[t];
     const ValueToken o = value_token(v, use_clip ? p.old[t] : v, r, use_clip ? p.eps : 0.f, use_clip);
+    // bad offsets (unchecked on CUDA) only steer the binary search: the index stays in [0, S)
     const float w = (float)(cu == nullptr ? p.scale[0] : p.scale[upper_index(cu, p.S, t)]);
     const bool m = m_tok[i];
     if (p.grad != nullptr) p.grad[t] = m ? o.dv * w : 0.f;
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) value_loss_reduce_kernel(const float
     *loss = (float)l;
     metrics[0] = (float)(nc * inv);                               // clip_fraction
     metrics[1] = (float)(sv * inv);                               // value_mean
-    metrics[2] = (float)(var_r > 0.0 ? 1.0 - var_e / var_r : 0.0);  // explained_variance
+    metrics[2] = (float)(var_r <= 0.0 ? 0.0 : 1.0 - var_e / var_r);  // explained_variance (NaN stays NaN)
   }
 }
 

@@ -81,9 +81,19 @@ def _loss_inputs(seed=0, B=7, L=40):
     g = torch.Generator().manual_seed(seed)
     mask = multiturn_rows(B, L, seed=seed).long()
     old = torch.randn(B, L, generator=g) - 1.0
-    logp = (old + 0.3 * torch.randn(B, L, generator=g)).requires_grad_()
+    logp = old + 0.5 * torch.randn(B, L, generator=g)
+    logp[:, ::5] += 1.5  # ratios ~4.5: past the dual clip c = 3 where A < 0
     adv = torch.randn(B, L, generator=g)
-    return old, logp, adv, mask
+    return old, logp.requires_grad_(), adv, mask
+
+
+def _assert_every_clip_binds(old, logp, adv, mask, c=3.0, low=0.2, high=0.28):
+    """So that an adapter dropping (or mis-passing) a clip changes the loss: trainable tokens exist on the
+    upper clip (A > 0), the lower clip (A < 0) and the dual clip (A < 0, ratio > c)."""
+    r, on = (logp.detach() - old).exp(), mask.bool()
+    assert ((adv > 0) & (r > 1 + high) & on).sum() >= 3
+    assert ((adv < 0) & (r < 1 - low) & on).sum() >= 3
+    assert ((adv < 0) & (r > c) & on).sum() >= 3
 
 
 def _actor_config(**kw):
@@ -97,6 +107,7 @@ def _actor_config(**kw):
 @pytest.mark.parametrize("gbi", [{}, {"dp_size": 2, "batch_num_tokens": 300, "global_batch_size": 11}])
 def test_policy_loss_equals_verl_vanilla(mode, gbi):
     old, logp, adv, mask = _loss_inputs()
+    _assert_every_clip_binds(old, logp, adv, mask)
     w = torch.rand(mask.shape) * 2  # rollout-correction weights
     w[0, :5] = 0.0
     cfg = _actor_config(global_batch_info=gbi)
@@ -195,6 +206,7 @@ def test_policy_loss_equals_real_verl_vanilla(core_algos, mode):
     from verl.workers.config import ActorConfig
 
     old, logp, adv, mask = _loss_inputs(seed=4)
+    _assert_every_clip_binds(old, logp, adv, mask)
     w = torch.rand(mask.shape) * 2
     cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio_high=0.28)
     cfg.global_batch_info.update(dp_size=2, batch_num_tokens=250, global_batch_size=9)

@@ -25,7 +25,12 @@ def build(tmp_dir, threads, items):
                     f"-DCRF_LOSS_THREADS={threads}", f"-DCRF_LOSS_ITEMS={items}", "-I", os.path.join(ROOT, "csrc"),
                     "-I", os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "ops", "losses_cuda_host.cpp"),
                     "-o", out], check=True)
-    lib = ctypes.CDLL(out)
+    return load(out)
+
+
+def load(path):
+    """The host build at `path`, with its entry points' ctypes signatures."""
+    lib = ctypes.CDLL(path)
     p, i64, f64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
     lib.crf_ppo_loss_host.restype = None
     lib.crf_ppo_loss_host.argtypes = [p] * 6 + [i32, p, i64, i64] + [f64] * 4 + [p] * 3
@@ -55,8 +60,13 @@ def _ptr(t):
 def route_cpp_to_cuda_host(monkeypatch, lib):
     """backend="cpp" runs the CUDA kernels on the host instead (same schema, same argument preparation)."""
 
+    def check_segments(T, cu):  # the bindings' shape check (csrc/common/loss_inputs.h), which the kernels rely on
+        if cu is not None and cu.numel() < 2 and T > 0:
+            raise ValueError(f"cu_seqlens must have at least 2 elements when T > 0, got {cu.numel()}")
+
     def ppo_policy_loss(logp, old, adv, mask, roll, cu, scale, clip_low, clip_high, dual_clip, tis_cap, need_grad):
         T = logp.numel()
+        check_segments(T, cu)
         grad, loss, metrics = empty(T if need_grad else 0), empty(()), empty(4)
         lib.crf_ppo_loss_host(_ptr(logp), _ptr(old), _ptr(adv), _ptr(roll), _ptr(mask), _ptr(cu),
                               int(cu is not None and cu.dtype == torch.int64), _ptr(scale), scale.numel(), T,
@@ -65,6 +75,7 @@ def route_cpp_to_cuda_host(monkeypatch, lib):
 
     def value_loss(v, old, ret, mask, cu, scale, clip, need_grad):
         T = v.numel()
+        check_segments(T, cu)
         grad, loss, metrics = empty(T if need_grad else 0), empty(()), empty(3)
         lib.crf_value_loss_host(_ptr(v), _ptr(old), _ptr(ret), _ptr(mask), _ptr(cu),
                                 int(cu is not None and cu.dtype == torch.int64), _ptr(scale), scale.numel(), T,

@@ -360,3 +360,125 @@ def test_bad_inputs_raise_naming_the_argument():
     if "triton" in BACKENDS:
         with pytest.raises(ValueError, match="float32"):
             f(h.bfloat16(), w.bfloat16(), y, backend="triton")
+
+
+# ---------------------------------------------------------------- extreme values, unchecked inputs (issue 14)
+
+
+def _exact_large_logits(offset, T=8, H=4, V=64, seed=3):
+    """hidden in {-1, 0, 1}, weight in multiples of 1/4, bias = offset (a multiple of 1/4 below 2^22):
+    every float32 logit, and every partial sum of the matmul, is exact, so the float64 reference sees the
+    very logits the op computes and any error is the op's own."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randint(-1, 2, (T, H), generator=gen).float().requires_grad_()
+    w = (torch.randint(-8, 9, (V, H), generator=gen).float() / 4).requires_grad_()
+    b = torch.full((V,), float(offset), requires_grad=True)
+    return h, w, b, torch.randint(0, V, (T,), generator=gen)
+
+
+@pytest.mark.parametrize("offset", [4e5, 4e6])
+def test_entropy_gradient_precise_at_large_logits(offset):
+    """The backward recomputes the logits; log p must come from z - max (as in the forward), not z - lse,
+    which cancels at large logits (the entropy gradient was off by 2.6% at 4e5 and 38% at 4e6)."""
+    h, w, b, y = _exact_large_logits(offset)
+    g_lp, g_ent = torch.randn(8, generator=torch.Generator().manual_seed(1)), torch.linspace(-1, 1, 8)
+    for g in ((None, g_ent), (g_lp, g_ent), (g_lp, None)):
+        _, grads = run(crf.linear_logprobs, h, w, b, y, *g, backend="torch", chunk_size=3)
+        _, r_grads = run(ref, h, w, b, y, *g)
+        for name, a, r in zip(["d_hidden", "d_weight", "d_bias"], grads, r_grads):
+            assert rel(a, r) < 1e-5, (name, g[0] is None, g[1] is None, rel(a, r))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tiny_temperatures_finite_or_rejected(backend):
+    h, w, b, y = make(7, 8, 30, bias=True)
+    # 1/1e-30 fits float32: finite outputs and gradients (log p ~ -1e30 where p = 0 must not give 0 * inf)
+    (lp, ent), grads = run(crf.linear_logprobs, h, w, b, y, torch.ones(7), torch.ones(7), temperature=1e-30,
+                           backend=backend, chunk_size=3)
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+    assert all(torch.isfinite(g).all() for g in grads)
+    # every logit negative (at 1e-30 they reach -1e31, below any "minus infinity" a running max may start
+    # from), or every one positive (their difference to that start overflows)
+    for shift in (-20.0, 20.0):
+        (lp, ent), grads = run(crf.linear_logprobs, h, w, (b.detach() + shift).requires_grad_(), y, torch.ones(7),
+                               torch.ones(7), temperature=1e-30, backend=backend, chunk_size=3)
+        assert torch.isfinite(lp).all() and torch.isfinite(ent).all() and all(torch.isfinite(g).all() for g in grads)
+    # 1/temperature overflows float32: a clear error, before any work
+    for t in (1e-39, 1e-300, 5e-324):
+        with pytest.raises(ValueError, match="temperature.*overflows"):
+            crf.linear_logprobs(h, w, y, temperature=t, backend=backend)
+        with pytest.raises(ValueError, match="temperature.*overflows"):
+            crf.linear_logprobs_loss(h, w, y, lambda lp, ent, sl: lp.sum(), temperature=t, backend=backend)
+
+
+def test_second_backward_of_fused_loss_is_a_clear_error():
+    h, w, b, y = make(6, 8, 10, bias=True)
+    loss, _, _ = crf.linear_logprobs_loss(h, w, y, lambda lp, ent, sl: lp.sum(), bias=b, chunk_size=4)
+    (2.0 * loss).backward(retain_graph=True)
+    g1 = h.grad.clone()
+    with pytest.raises(RuntimeError, match="linear_logprobs_loss: backward ran a second time"):
+        loss.backward()
+    assert torch.equal(h.grad, g1)  # the failed backward added nothing
+    (rh,) = torch.autograd.grad(2.0 * ref(h, w, y, bias=b).sum(), h)
+    assert rel(g1, rh) < 5e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unchecked_out_of_range_targets_give_nan_not_a_crash(monkeypatch, backend):
+    """With the value checks off (CUDA's default; COMPACTIONRL_FAST_CHECKS=0 here) targets are not read on
+    the host: an out-of-range one gives logp NaN for its row, the other rows stay right, nothing reads out
+    of bounds."""
+    h, w, b, y = make(6, 8, 10, bias=True)
+    bad = y.clone()
+    bad[2], bad[4] = 10, -3
+    with pytest.raises(ValueError, match="targets"):
+        crf.linear_logprobs(h, w, bad, backend=backend)
+    monkeypatch.setenv("COMPACTIONRL_FAST_CHECKS", "0")
+    lp = crf.linear_logprobs(h, w, bad, bias=b, backend=backend, chunk_size=4)
+    want = ref(h, w, y, bias=b)
+    ok = torch.tensor([True, True, False, True, False, True])
+    assert lp[~ok].isnan().all()
+    assert rel(lp[ok], want[ok]) < 5e-6
+    (gh,) = torch.autograd.grad(torch.where(ok, lp, 0.0).sum(), h)
+    (rh,) = torch.autograd.grad(torch.where(ok, want, 0.0).sum(), h)
+    # rows with a bad target get -p from the unused log-prob's (zero) upstream gradient: here 0
+    assert rel(gh, rh) < 5e-6
+
+
+class _NewVxH(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ops that allocate a new tensor of `shape` (outputs that alias no input)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape and t.untyped_storage().data_ptr() not in ins:
+                self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused", [False, True])
+def test_weight_gradient_accumulates_in_place(dtype, fused):
+    """d W is one fp32 [V, H] accumulator updated in place per chunk: the backward allocates at most two
+    [V, H] tensors (the accumulator and, for bf16, its cast to the weight's dtype), however many chunks."""
+    T, H, V = 40, 8, 24
+    h, w, b, y = make(T, H, V, dtype=dtype, bias=True)
+    counts = []
+    for chunk in (20, 4):  # 2 and 10 chunks
+        mode = _NewVxH((V, H))
+        with mode:
+            if fused:
+                loss, _, _ = crf.linear_logprobs_loss(h, w, y, lambda lp, ent, sl: lp.float().sum(), bias=b,
+                                                      chunk_size=chunk, with_entropy=False)
+                torch.autograd.grad(loss, [h, w, b])
+            else:
+                lp, ent = crf.linear_logprobs(h, w, y, bias=b, chunk_size=chunk, return_entropy=True)
+                torch.autograd.grad(lp.sum() + ent.sum(), [h, w, b])
+        counts.append(mode.count)
+    assert counts[0] == counts[1] <= 2, counts

@@ -23,6 +23,12 @@ CLIPS = {
     "tis_uncapped_dual": dict(dual_clip=2.0, tis=True),
 }
 
+# Above every block/thread-split threshold: the C++ kernels' 8,192-token blocks (3 blocks, so 2 threads
+# split them), Triton's 1,024-token programs; segments cross block boundaries, one of 3 tokens sits inside
+# a block, an empty one sits on a boundary.
+OVER_BLOCKS = [[(9000, "rand"), (7000, "rand"), (3, "all"), (0, "rand"), (5000, "rand")], [(1200, "all")]]
+THREADS = (1, 2, 3)
+
 # Every reduction with and without a denominator, every clip variant (paired up to keep the sweep short).
 SWEEP = [("dual", "token-mean", False), ("symmetric", "token-mean", True), ("asymmetric", "segment-mean", False),
          ("tis", "segment-mean", True), ("tis_uncapped_dual", "rollout-mean", False), ("dual", "rollout-mean", True),
@@ -203,11 +209,11 @@ def test_empty_batch(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bitwise_deterministic(backend):
-    b = packed_batch(SHAPE_TABLE["long_multiblock"], seed=2)
+    b = packed_batch(OVER_BLOCKS, seed=2)
     x = policy_inputs(b["loss_mask"].numel(), seed=2)
     runs = []
     threads = torch.get_num_threads()
-    for n_threads in (1, threads, 1):
+    for n_threads in THREADS + (1,):
         torch.set_num_threads(n_threads)
         runs.append(run_backend(backend, b, x, CLIPS["dual"], reduction="segment-mean"))
     torch.set_num_threads(threads)
@@ -232,23 +238,20 @@ def test_grad_flows_to_logprobs_only_and_scales_with_grad_output(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scale", [1.0, 3.0])
-def test_repeated_backward_is_right_or_fails_loudly(backend, scale):
-    """The backward hands out the saved gradient buffer itself (one [T] buffer in all), scaled in place
-    unless the incoming gradient is 1. Backward passes through a retained graph must then give the
-    right accumulated gradient or raise (autograd's version counter), never a wrong one."""
+def test_second_backward_fails_loudly_and_changes_nothing(backend, scale):
+    """The backward hands out the saved gradient buffer itself (one [T] buffer in all). A second backward
+    through a retained graph is refused with a clear error; the gradient handed out first stays right."""
     b = packed_batch(SHAPE_TABLE["odd_lengths"], seed=1)
     x = policy_inputs(b["loss_mask"].numel(), seed=1)
+    _, _, want = run_backend(None, b, x, CLIPS["symmetric"])
     lp = x["logprobs"].clone().requires_grad_()
     loss, _ = crf.ppo_policy_loss(lp, x["old_logprobs"], x["advantages"], b["loss_mask"], backend=backend)
-    (scale * loss).backward(retain_graph=True)
-    g1 = lp.grad.clone()
-    for k in (2, 3):
-        try:
-            (scale * loss).backward(retain_graph=True)
-        except RuntimeError as e:
-            assert "inplace" in str(e)
-            break
-        torch.testing.assert_close(lp.grad, k * g1)
+    (g1,) = torch.autograd.grad(scale * loss, lp, retain_graph=True)
+    kept = g1.clone()
+    with pytest.raises(RuntimeError, match="second backward"):
+        torch.autograd.grad(loss, lp, grad_outputs=torch.tensor(2.0), retain_graph=True)
+    assert torch.equal(g1, kept)
+    torch.testing.assert_close(g1.double(), scale * want, rtol=2e-6, atol=1e-30)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -260,10 +263,19 @@ def test_no_grad_and_half_precision_inputs(backend):
                                       backend=backend)
     want, _ = ref.ppo_policy_loss(x["logprobs"], x["old_logprobs"], x["advantages"], b["loss_mask"])
     assert abs(loss.item() - float(want)) < 1e-5
-    lp = x["logprobs"].to(torch.bfloat16).requires_grad_()
-    loss, _ = crf.ppo_policy_loss(lp, x["old_logprobs"], x["advantages"], b["loss_mask"], backend=backend)
-    loss.backward()
-    assert lp.grad.dtype == torch.bfloat16 and lp.grad.shape == lp.shape
+    for dtype in (torch.bfloat16, torch.float16):
+        lp = x["logprobs"].to(dtype).requires_grad_()
+        loss, _ = crf.ppo_policy_loss(lp, x["old_logprobs"], x["advantages"], b["loss_mask"], backend=backend)
+        loss.backward()
+        assert lp.grad.dtype == dtype and lp.grad.shape == lp.shape
+        # the float64 gradient at the same (rounded) log-probs, rounded once to the dtype: within half an ulp
+        # (+ the float32 kernel's error)
+        r_lp = lp.detach().double().requires_grad_()
+        r_loss, _ = ref.ppo_policy_loss(r_lp, x["old_logprobs"], x["advantages"], b["loss_mask"])
+        r_loss.backward()
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10  # relative spacing at a power of 2
+        assert ((lp.grad.double() - r_lp.grad).abs() <= (ulp / 2 + 1e-5) * r_lp.grad.abs() + torch.finfo(dtype).smallest_normal * ulp).all()  # + subnormal spacing
+        assert (r_lp.grad != 0).sum() > 10 and abs(loss.item() - r_loss.item()) < 1e-5
 
 
 # ---------------------------------------------------------------- CUDA kernels, run on the host
@@ -350,3 +362,202 @@ def test_device_mismatch_raises():
     t["advantages"] = t["advantages"].to("meta")
     with pytest.raises(ValueError, match="advantages"):
         crf.ppo_policy_loss(*t.values(), **k)
+
+
+# ---------------------------------------------------------------- above the block and thread thresholds
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_matches_reference_over_blocks(backend):
+    """Several C++ blocks and Triton programs, segments across their boundaries: a block that stops a
+    token early (or starts one late) shows here."""
+    b = packed_batch(OVER_BLOCKS, seed=5, index_dtype=torch.int64)
+    x = policy_inputs(b["loss_mask"].numel(), seed=5)
+    for clip, red, denominator in SWEEP[::2]:
+        check_against_reference(backend, b, x, CLIPS[clip], reduction=red,
+                                **(dict(denominator=1234) if denominator else {}))
+
+
+# ---------------------------------------------------------------- the torch backend's wrapper
+
+
+def test_torch_backend_wrapper_is_the_reference_with_every_argument():
+    """backend="torch" must hand every argument to the reference: compare with the reference called
+    directly, on inputs where each argument changes the result (so a dropped one shows)."""
+    b = packed_batch(SHAPE_TABLE["four_segments"], seed=3)
+    x = policy_inputs(b["loss_mask"].numel(), seed=3)
+    x["logprobs"][::5] += 2.0  # ratios ~7 with A < 0: the dual clip binds
+    kw = dict(cu_seqlens=b["cu_seqlens"], cu_segments=b["cu_segments"], clip_low=0.15, clip_high=0.35,
+              dual_clip=3.0, rollout_logprobs=x["rollout_logprobs"], tis_cap=1.1, reduction="rollout-mean",
+              denominator=7)
+    args = (x["logprobs"], x["old_logprobs"], x["advantages"], b["loss_mask"])
+    got, gm = crf.ppo_policy_loss(*args, backend="torch", **kw)
+    want, wm = ref.ppo_policy_loss(*args, **kw)
+    assert got.dtype == torch.float32 and got.item() == want.float().item()
+    assert all(gm[k].item() == wm[k].float().item() for k in wm)
+    for k, other in [("cu_seqlens", None), ("cu_segments", None), ("clip_low", 0.2), ("clip_high", 0.2),
+                     ("dual_clip", None), ("rollout_logprobs", None), ("tis_cap", None),
+                     ("reduction", "segment-mean"), ("denominator", None)]:
+        changed = dict(kw, **{k: other})
+        if k == "cu_seqlens":
+            changed.update(cu_segments=None, reduction="token-mean")
+        if k == "rollout_logprobs":
+            changed.update(tis_cap=None)
+        alt, alt_m = ref.ppo_policy_loss(*args, **changed)
+        assert alt.item() != want.item() or any(alt_m[m].item() != wm[m].item() for m in wm), k
+
+
+# ---------------------------------------------------------------- extreme values and non-finite inputs
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+@pytest.mark.parametrize("dual_clip", [3.0, None])
+def test_zero_advantage_with_a_ratio_past_float32(backend, dual_clip):
+    """log-ratio 100 (exp overflows float32) with A = 0: the loss term is 0, not 0 * inf = NaN (as in the
+    float64 reference and verl). The metrics report the float32 ratio, inf, on every backend."""
+    lp = torch.tensor([100.0, 0.0], requires_grad=True)
+    loss, m = crf.ppo_policy_loss(lp, torch.zeros(2), torch.tensor([0.0, 1.0]), torch.ones(2, dtype=torch.bool),
+                                  clip_low=0.2, clip_high=0.28, dual_clip=dual_clip, backend=backend)
+    loss.backward()
+    assert loss.item() == -0.5 and lp.grad.tolist() == [0.0, -0.5]
+    assert m["ratio_max"].item() == float("inf") and m["approx_kl"].item() == float("inf")
+    assert m["clip_fraction"].item() == 0.0 and m["dual_clip_fraction"].item() == 0.0
+    # the same through the truncated importance weight, whose exp overflows too
+    lp = torch.tensor([0.0, 0.0], requires_grad=True)
+    loss, _ = crf.ppo_policy_loss(lp, torch.tensor([100.0, 0.0]), torch.tensor([0.0, 1.0]),
+                                  torch.ones(2, dtype=torch.bool), rollout_logprobs=torch.zeros(2),
+                                  dual_clip=dual_clip, backend=backend)
+    loss.backward()
+    assert loss.item() == -0.5 and lp.grad.tolist() == [0.0, -0.5]
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+@pytest.mark.parametrize("where", ["logprobs", "old_logprobs", "advantages", "rollout_logprobs"])
+def test_nan_on_a_trainable_token_propagates(backend, where):
+    x = policy_inputs(40, seed=6)
+    x[where][7] = float("nan")
+    mask = torch.ones(40, dtype=torch.bool)
+    loss, m = crf.ppo_policy_loss(x["logprobs"], x["old_logprobs"], x["advantages"], mask,
+                                  rollout_logprobs=x["rollout_logprobs"], backend=backend)
+    assert loss.isnan()
+    if where in ("logprobs", "old_logprobs"):  # a NaN ratio must not hide behind the max
+        assert m["ratio_max"].isnan() and m["approx_kl"].isnan()
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_at_masked_positions_changes_nothing(backend, value):
+    """inf/NaN at non-trainable positions of any input: loss, gradient and metrics equal those of the
+    same batch with finite values there (no NaN gradient through 0 * NaN either)."""
+    b = packed_batch(SHAPE_TABLE["four_segments"], seed=7)
+    x = policy_inputs(b["loss_mask"].numel(), seed=7)
+    off = ~b["loss_mask"]
+    dirty = {k: torch.where(off, value, t) for k, t in x.items()}
+    kw = dict(cu_seqlens=b["cu_seqlens"], cu_segments=b["cu_segments"], reduction="segment-mean", dual_clip=3.0,
+              tis_cap=2.0, backend=backend)
+    out = []
+    for inp in (x, dirty):
+        lp = inp["logprobs"].clone().requires_grad_()
+        loss, m = crf.ppo_policy_loss(lp, inp["old_logprobs"], inp["advantages"], b["loss_mask"],
+                                      rollout_logprobs=inp["rollout_logprobs"], **kw)
+        loss.backward()
+        out.append((loss, m, lp.grad))
+    (l0, m0, g0), (l1, m1, g1) = out
+    assert torch.isfinite(l1) and torch.isfinite(g1).all() and (g1[off] == 0).all()
+    assert torch.equal(l0, l1) and torch.equal(g0, g1) and all(torch.equal(m0[k], m1[k]) for k in m0)
+
+
+# ---------------------------------------------------------------- bad offsets without the Python checks
+
+_BAD_OFFSETS_SCRIPT = r"""
+import sys, types
+import torch
+import compactionrl_fast as crf
+from compactionrl_fast.ops._dispatch import available
+from tests.ops import _losses_cuda_host as host
+
+if len(sys.argv) > 1:  # the CUDA kernels, run on the host, in place of the C++ loss ops
+    host.route_cpp_to_cuda_host(types.SimpleNamespace(setattr=setattr), host.load(sys.argv[1]))
+T = 10
+ops = torch.ops.compactionrl_fast
+backends = [b for b in ("cpp", "triton") if b in available(torch.device("cpu"))]
+for cu in ([0, 4, 1 << 40, 10], [0, 7, 4, 10], [0, 4, 7, 1 << 30], [5, 4, 7, 10], [0, 4, 7, 8], [0, -3, 7, 10],
+           [0, 1 << 62, -(1 << 62), 10], [0]):
+    c = torch.tensor(cu)
+    t, m, sc = torch.rand(T), torch.ones(T, dtype=torch.bool), torch.rand(c.numel() - 1, dtype=torch.float64)
+    calls = {
+        "op ppo_policy_loss": lambda: ops.ppo_policy_loss(t, t, t, m, None, c, sc, 0.2, 0.2, 3.0, 1e30, True),
+        "op value_loss": lambda: ops.value_loss(t, t, t, m, c, sc, 0.2, True),
+        "op segment_counts": lambda: ops.segment_counts(m, c),
+    }
+    for b in backends:
+        calls[f"compiled ppo_policy_loss {b}"] = lambda: torch.compile(
+            lambda lp, cu: crf.ppo_policy_loss(lp, lp.detach(), torch.ones(T), m, cu_seqlens=cu, backend=b,
+                                               reduction="segment-mean"), backend="eager")(t.requires_grad_(), c)
+        calls[f"compiled value_loss {b}"] = lambda: torch.compile(
+            lambda v, cu: crf.value_loss(v, v.detach(), torch.ones(T), m, cu_seqlens=cu, clip=0.2, backend=b,
+                                         reduction="rollout-mean"), backend="eager")(t.requires_grad_(), c)
+    for name, call in calls.items():
+        try:
+            call()
+            print(name, cu, "returned", flush=True)
+        except (ValueError, RuntimeError) as e:
+            assert "cu_seqlens" in str(e), (name, cu, str(e)[:500])
+            print(name, cu, type(e).__name__, str(e).splitlines()[0][:150], flush=True)
+print("DONE")
+"""
+
+
+def _run_bad_offsets(*args):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, COMPACTIONRL_FAST_CHECKS="0", PYTHONPATH=root)
+    p = subprocess.run([sys.executable, "-c", _BAD_OFFSETS_SCRIPT, *args], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=600)
+    # a crash (signal: negative return code) or an unclear error fails here, with the calls that ran
+    assert p.returncode == 0 and p.stdout.rstrip().endswith("DONE"), (p.returncode, p.stdout[-3000:], p.stderr[-3000:])
+    return p.stdout
+
+
+@pytest.mark.skipif("cpp" not in BACKENDS, reason="needs the compiled extension")
+def test_bad_offsets_never_crash_the_cpp_ops():
+    """cu_seqlens past T, decreasing, 2^40, negative, not starting at 0: called directly as torch ops or
+    under torch.compile (where the Python checks are skipped), with COMPACTIONRL_FAST_CHECKS=0: a clear
+    ValueError naming cu_seqlens, or numbers; never a crash (run in a subprocess so a crash fails the test)."""
+    out = _run_bad_offsets()
+    assert out.count("ValueError") >= 3 * 8  # the C++ ops check on the host
+
+
+@pytest.mark.skipif("cpp" not in BACKENDS, reason="the cpp backend defines the op schema")
+def test_bad_offsets_never_crash_the_cuda_kernels_on_host(cuda_host_lib):
+    """The CUDA loss kernels read offsets only through a bounded binary search: bad ones give wrong
+    numbers, never an out-of-bounds access (no device checks run on CUDA)."""
+    lib, threads = cuda_host_lib
+    if threads > 32:
+        pytest.skip("one block shape is enough")
+    out = _run_bad_offsets(lib._name)
+    assert "op ppo_policy_loss [0, 4, 1099511627776, 10] returned" in out
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+def test_no_dual_clip_stays_off_for_an_infinite_loss(backend):
+    """dual_clip=None is passed to the kernels as float32's max: with A < 0 and a ratio past float32 the
+    token loss is +inf, and the dual clip must not switch on (it would cap the loss at 3.4e38 * |A|)."""
+    lp = torch.tensor([600.0, 0.0], requires_grad=True)
+    loss, m = crf.ppo_policy_loss(lp, torch.zeros(2), torch.tensor([-0.5, 1.0]), torch.ones(2, dtype=torch.bool),
+                                  backend=backend)
+    assert loss.item() == float("inf") and m["dual_clip_fraction"].item() == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+def test_clip_boundary_tie_takes_the_unclipped_gradient(backend):
+    """ratio exactly 1 + clip_high with A > 0: both branches equal; every backend and the reference give
+    the unclipped branch's gradient -A * ratio (not torch.maximum's half)."""
+    lp = torch.tensor([0.0, 0.0], requires_grad=True)
+    loss, _ = crf.ppo_policy_loss(lp, torch.zeros(2), torch.tensor([1.0, 2.0]), torch.ones(2, dtype=torch.bool),
+                                  clip_low=0.0, clip_high=0.0, backend=backend)
+    loss.backward()
+    assert lp.grad.tolist() == [-0.5, -1.0]

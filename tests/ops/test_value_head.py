@@ -63,14 +63,63 @@ def test_value_head_low_precision_within_2x_of_pytorch(backend, dtype):
 
 @pytest.mark.parametrize("backend", HEAD_BACKENDS)
 def test_value_head_bitwise_deterministic(backend):
-    hidden, weight, bias, g = head_inputs(300, 130, torch.float32, seed=2)
+    # T = 2000: 7 row groups of the C++ backward (>= 256 rows each), 63 Triton row blocks
+    hidden, weight, bias, g = head_inputs(2000, 130, torch.float32, seed=2)
     threads = torch.get_num_threads()
     runs = []
-    for n in (1, threads):  # the d_weight reduction order must not depend on the thread count
+    for n in (1, 2, 3):  # the d_weight reduction order must not depend on the thread count
         torch.set_num_threads(n)
         runs.append(grads(lambda h, w, b: crf.value_head(h, w, b, backend=backend), hidden, weight, bias, g))
     torch.set_num_threads(threads)
-    assert all(torch.equal(x, y) for x, y in zip(*runs))
+    for other in runs[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(runs[0], other))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_value_head_torch_path_over_many_chunks(monkeypatch, dtype):
+    """The torch path upcasts bf16/fp16 in row chunks of CHUNK_ELEMS elements (4M by default): with a small
+    chunk the batch spans 9 chunks, and every chunk's d_weight must be summed (not only the last's)."""
+    import importlib
+
+    vh = importlib.import_module("compactionrl_fast.ops.value_head")
+
+    monkeypatch.setattr(vh, "CHUNK_ELEMS", 64 * 40)  # 40 rows per chunk at H = 64
+    T, H = 350, 64
+    hidden, weight, bias, g = head_inputs(T, H, dtype, seed=6)
+    out, dh, dw, db = grads(lambda h, w, b: crf.value_head(h, w, b, backend="torch"), hidden, weight, bias, g)
+    rout, rdh, rdw, rdb = grads(ref.value_head, hidden.double(), weight.double(), bias.double(), g.double())
+    ulp = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -23}[dtype]
+    scale = (hidden.double().abs().t() @ g.double().abs())
+    assert ((dw.double() - rdw).abs() <= ulp * rdw.abs() + 1e-5 * scale).all()  # one rounding to the dtype
+    assert ((out.double() - rout).abs() <= 1e-5 * (hidden.double().abs() @ weight.double().abs() + 1)).all()
+
+
+@pytest.mark.parametrize("backend", HEAD_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_value_head_loss_ignores_non_finite_masked_rows(backend, dtype, value):
+    """A NaN/inf hidden row or return at a masked position must not reach grad_weight / grad_bias on any
+    backend: the same gradients as with finite values there."""
+    if backend == "triton" and dtype != torch.float32:
+        pytest.skip("the interpreter's bf16 is broken")
+    b = packed_batch(SHAPE_TABLE["four_segments"], seed=4)
+    T, H = b["loss_mask"].numel(), 24
+    hidden, weight, bias, _ = head_inputs(T, H, dtype, seed=4)
+    g = torch.Generator().manual_seed(5)
+    ret, old = torch.randn(T, generator=g), torch.randn(T, generator=g)
+    off = ~b["loss_mask"]
+    out = []
+    for dirty in (False, True):
+        h = torch.where(off[:, None], value, hidden).to(dtype) if dirty else hidden
+        r = torch.where(off, value, ret) if dirty else ret
+        h, w, bb = (t.detach().clone().requires_grad_() for t in (h, weight, bias))
+        loss, _ = crf.value_head_loss(h, w, bb, old, r, b["loss_mask"], clip=0.3, cu_seqlens=b["cu_seqlens"],
+                                      reduction="segment-mean", backend=backend)
+        loss.backward()
+        out.append((loss, h.grad, w.grad, bb.grad))
+    (l0, dh0, dw0, db0), (l1, dh1, dw1, db1) = out
+    assert torch.isfinite(dw1).all() and torch.isfinite(db1).all() and torch.isfinite(dh1).all()
+    assert torch.equal(l0, l1) and torch.equal(dw0, dw1) and torch.equal(db0, db1) and torch.equal(dh0, dh1)
 
 
 def test_value_head_accepts_linear_weight_and_no_bias():

@@ -16,6 +16,12 @@ BACKENDS = [b for b in ("cpp", "triton", "cuda") if b in available(torch.device(
 REDUCTIONS = ["token-mean", "segment-mean", "rollout-mean", "sum"]
 
 
+# Above every block/thread-split threshold (see tests/ops/test_ppo_loss.py): 3 C++ blocks of 8,192 tokens,
+# 22 Triton programs; segments across block boundaries.
+OVER_BLOCKS = [[(9000, "rand"), (7000, "rand"), (3, "all"), (0, "rand"), (5000, "rand")], [(1200, "all")]]
+THREADS = (1, 2, 3)
+
+
 def value_inputs(T, seed, offset=0.0):
     g = torch.Generator().manual_seed(seed)
     ret = torch.randn(T, generator=g) + offset
@@ -141,16 +147,26 @@ def test_fully_masked_batch_gives_zero_loss_and_gradient(backend, reduction):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bitwise_deterministic(backend):
-    b = packed_batch(SHAPE_TABLE["long_multiblock"], seed=2)
+    b = packed_batch(OVER_BLOCKS, seed=2)
     x = value_inputs(b["loss_mask"].numel(), seed=2)
     threads = torch.get_num_threads()
     runs = []
-    for n_threads in (1, threads):
+    for n_threads in THREADS:
         torch.set_num_threads(n_threads)
         runs.append(run_backend(backend, b, x, clip=0.2, reduction="rollout-mean"))
     torch.set_num_threads(threads)
-    (l0, m0, g0), (l1, m1, g1) = runs
-    assert torch.equal(l0, l1) and torch.equal(g0, g1) and all(torch.equal(m0[k], m1[k]) for k in m0)
+    l0, m0, g0 = runs[0]
+    for l1, m1, g1 in runs[1:]:
+        assert torch.equal(l0, l1) and torch.equal(g0, g1) and all(torch.equal(m0[k], m1[k]) for k in m0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_matches_reference_over_blocks(backend):
+    b = packed_batch(OVER_BLOCKS, seed=5, index_dtype=torch.int64)
+    x = value_inputs(b["loss_mask"].numel(), seed=5, offset=3.0)
+    for kw in (dict(clip=0.2, reduction="segment-mean"), dict(reduction="rollout-mean", denominator=99),
+               dict(clip=0.1, reduction="token-mean")):
+        check_against_reference(backend, b, x, **kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -158,8 +174,64 @@ def test_grad_flows_to_values_only(backend):
     b = packed_batch(SHAPE_TABLE["odd_lengths"], seed=1)
     x = {k: t.clone().requires_grad_() for k, t in value_inputs(b["loss_mask"].numel(), seed=1).items()}
     loss, _ = crf.value_loss(*x.values(), b["loss_mask"], clip=0.1, backend=backend)
-    loss.backward()
-    assert x["values"].grad is not None and x["old_values"].grad is None and x["returns"].grad is None
+    (3.0 * loss).backward()
+    assert x["old_values"].grad is None and x["returns"].grad is None
+    v = x["values"].detach().double().requires_grad_()
+    r_loss, _ = ref.value_loss(v, x["old_values"], x["returns"], b["loss_mask"], clip=0.1)
+    (3.0 * r_loss).backward()
+    assert (v.grad != 0).sum() > 10 and (v.grad == 0).sum() > 10  # both branches of the clip occur
+    torch.testing.assert_close(x["values"].grad.double(), v.grad, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+def test_half_precision_gradient_within_rounding(backend):
+    b = packed_batch(SHAPE_TABLE["odd_lengths"], seed=1)
+    x = value_inputs(b["loss_mask"].numel(), seed=1)
+    for dtype, ulp in ((torch.bfloat16, 2.0 ** -7), (torch.float16, 2.0 ** -10)):
+        v = x["values"].to(dtype).requires_grad_()
+        loss, _ = crf.value_loss(v, x["old_values"], x["returns"], b["loss_mask"], clip=0.1, backend=backend)
+        loss.backward()
+        r_v = v.detach().double().requires_grad_()
+        r_loss, _ = ref.value_loss(r_v, x["old_values"], x["returns"], b["loss_mask"], clip=0.1)
+        r_loss.backward()
+        assert v.grad.dtype == dtype and (r_v.grad != 0).sum() > 10
+        assert ((v.grad.double() - r_v.grad).abs() <= (ulp / 2 + 1e-5) * r_v.grad.abs() + torch.finfo(dtype).smallest_normal * ulp).all()  # + subnormal spacing
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+def test_nan_old_value_on_a_trainable_token_propagates(backend):
+    """With the clip, a NaN old value makes v_clip NaN: the loss is NaN on every backend (a min/max that
+    drops NaN used to give a finite loss)."""
+    x = value_inputs(30, seed=3)
+    x["old_values"][4] = float("nan")
+    loss, _ = crf.value_loss(x["values"], x["old_values"], x["returns"], torch.ones(30, dtype=torch.bool), clip=0.2,
+                             backend=backend)
+    assert loss.isnan()
+    x = value_inputs(30, seed=3)
+    x["returns"][4] = float("nan")
+    loss, m = crf.value_loss(x["values"], x["old_values"], x["returns"], torch.ones(30, dtype=torch.bool), clip=0.2,
+                             backend=backend)
+    assert loss.isnan() and m["explained_variance"].isnan()
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("clip", [None, 0.2])
+def test_non_finite_at_masked_positions_changes_nothing(backend, value, clip):
+    b = packed_batch(SHAPE_TABLE["four_segments"], seed=7)
+    x = value_inputs(b["loss_mask"].numel(), seed=7)
+    off = ~b["loss_mask"]
+    dirty = {k: torch.where(off, value, t) for k, t in x.items()}
+    out = []
+    for inp in (x, dirty):
+        v = inp["values"].clone().requires_grad_()
+        loss, m = crf.value_loss(v, inp["old_values"], inp["returns"], b["loss_mask"], clip=clip,
+                                 cu_seqlens=b["cu_seqlens"], reduction="segment-mean", backend=backend)
+        loss.backward()
+        out.append((loss, m, v.grad))
+    (l0, m0, g0), (l1, m1, g1) = out
+    assert torch.isfinite(l1) and torch.isfinite(g1).all() and (g1[off] == 0).all()
+    assert torch.equal(l0, l1) and torch.equal(g0, g1) and all(torch.equal(m0[k], m1[k]) for k in m0)
 
 
 @pytest.mark.parametrize("mutate,exc,match", [
@@ -180,3 +252,35 @@ def test_bad_inputs_raise(mutate, exc, match):
     mutate(t, k)
     with pytest.raises(exc, match=match):
         crf.value_loss(t["values"], t["old_values"], t["returns"], t["loss_mask"], **k)
+
+
+def test_torch_backend_wrapper_is_the_reference_with_every_argument():
+    """backend="torch" hands every argument to the reference (compared with the reference called directly,
+    on inputs where each argument changes the result)."""
+    b = packed_batch(SHAPE_TABLE["four_segments"], seed=3)
+    x = value_inputs(b["loss_mask"].numel(), seed=3, offset=1.0)
+    kw = dict(clip=0.15, cu_seqlens=b["cu_seqlens"], cu_segments=b["cu_segments"], reduction="rollout-mean",
+              denominator=5)
+    args = (x["values"], x["old_values"], x["returns"], b["loss_mask"])
+    got, gm = crf.value_loss(*args, backend="torch", **kw)
+    want, wm = ref.value_loss(*args, **kw)
+    assert got.dtype == torch.float32 and got.item() == want.float().item()
+    assert all(gm[k].item() == wm[k].float().item() for k in wm)
+    for k, other in [("clip", None), ("cu_seqlens", None), ("cu_segments", None), ("reduction", "segment-mean"),
+                     ("denominator", None)]:
+        changed = dict(kw, **{k: other})
+        if k == "cu_seqlens":
+            changed.update(cu_segments=None, reduction="token-mean")
+        alt, alt_m = ref.value_loss(*args, **changed)
+        assert alt.item() != want.item() or any(alt_m[m].item() != wm[m].item() for m in wm), k
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+def test_clip_tie_takes_the_unclipped_gradient(backend):
+    """clip=0 with |v - R| = |old - R|: both branches equal; every backend and the reference give the
+    unclipped gradient v - R (not torch.maximum's half)."""
+    v = torch.tensor([101.3125, 1.0], requires_grad=True)
+    loss, _ = crf.value_loss(v, torch.tensor([100.4375, 1.0]), torch.tensor([100.875, 0.0]),
+                             torch.ones(2, dtype=torch.bool), clip=0.0, reduction="sum", backend=backend)
+    loss.backward()
+    assert v.grad.tolist() == [0.4375, 1.0]

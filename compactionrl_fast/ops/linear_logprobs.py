@@ -366,9 +366,9 @@ def _check_inputs(hidden, weight, targets, bias, temperature, chunk_size, return
 
 
 def _resolve_backend(backend, device, dtype):
-    # CPU tensors run the PyTorch chunk loop; the Triton kernels on CPU exist only for the interpreter
-    b = "torch" if backend == "auto" and device.type != "cuda" else _dispatch.resolve(backend, device,
-                                                                                     ("triton", "torch"))
+    # CPU tensors run the PyTorch chunk loop (the table's order); the Triton kernels on CPU exist only for the
+    # interpreter
+    b = _dispatch.resolve(backend, device, op="linear_logprobs")
     if b == "triton" and device.type != "cuda" and dtype != torch.float32:
         raise ValueError("backend='triton' on CPU tensors (the Triton interpreter) supports float32 only: the "
                          "interpreter's bf16/fp16 arithmetic is unreliable; use backend='torch'")

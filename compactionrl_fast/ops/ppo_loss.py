@@ -119,7 +119,7 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, cu_seqlens
     check_choice("reduction", reduction, REDUCTIONS)
     denominator = check_denominator(denominator, reduction)
     cu_segments = check_layout(loss_mask, cu_seqlens, cu_segments)
-    b = resolve_backend(backend, device)
+    b = resolve_backend(backend, device, op="ppo_policy_loss")
 
     if b == "torch":
         loss, m = ref.ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, cu_seqlens=cu_seqlens,

@@ -9,6 +9,8 @@ so the head plus loss reads `hidden` once forward and once backward.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import _dispatch
@@ -83,15 +85,44 @@ if _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "val
         return (hidden.new_empty(hidden.shape if need_dh else (0,)), weight.new_empty(weight.shape if need_dw else (0,)))
 
 
+@torch.library.custom_op("compactionrl_fast::value_head_fwd_triton", mutates_args=())
+def _triton_fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    from ..kernels.segments import device_guard
+    from ..kernels.value_head import value_head_fwd
+
+    with device_guard(hidden):
+        return value_head_fwd(hidden, weight, bias)
+
+
+@_triton_fwd.register_fake
+def _(hidden, weight, bias):
+    return weight.new_empty(hidden.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("compactionrl_fast::value_head_bwd_triton", mutates_args=())
+def _triton_bwd(hidden: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, need_dh: bool,
+                need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..kernels.segments import device_guard
+    from ..kernels.value_head import value_head_bwd
+
+    with device_guard(hidden):
+        dh, dw = value_head_bwd(hidden, weight, grad, need_dh, need_dw)
+    return (hidden.new_empty(0) if dh is None else dh), (weight.new_empty(0) if dw is None else dw)
+
+
+@_triton_bwd.register_fake
+def _(hidden, weight, grad, need_dh, need_dw):
+    return (hidden.new_empty(hidden.shape if need_dh else (0,)),
+            weight.new_empty(weight.shape if need_dw else (0,), dtype=torch.float32))
+
+
 class _ValueHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, backend):
         w32 = weight.detach().float().contiguous()
         b32 = None if bias is None else bias.detach().float().reshape(())
         if backend == "triton":
-            from ..kernels.value_head import value_head_fwd
-
-            out = value_head_fwd(hidden, w32, b32)
+            out = torch.ops.compactionrl_fast.value_head_fwd_triton(hidden, w32, b32)
         elif backend == "cpp":
             out = torch.ops.compactionrl_fast.value_head_fwd(hidden, w32, b32)
         else:
@@ -108,9 +139,8 @@ class _ValueHead(torch.autograd.Function):
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         g = grad.float().contiguous()
         if ctx.backend == "triton":
-            from ..kernels.value_head import value_head_bwd
-
-            dh, dw = value_head_bwd(hidden, w32, g, need_dh, need_dw)
+            dh, dw = torch.ops.compactionrl_fast.value_head_bwd_triton(hidden, w32, g, need_dh, need_dw)
+            dh, dw = (dh if need_dh else None), (dw if need_dw else None)
         elif ctx.backend == "cpp":
             dh, dw = torch.ops.compactionrl_fast.value_head_bwd(hidden, w32, g, need_dh, need_dw)
             dh, dw = (dh if need_dh else None), (dw if need_dw else None)
@@ -150,7 +180,7 @@ def value_head(hidden, weight, bias=None, *, backend="auto"):
     """
     weight = _check_head(hidden, weight, bias)
     device = hidden.device
-    b = resolve_backend(backend, device, supported=("auto", "triton", "cpp", "torch"))
+    b = resolve_backend(backend, device, op="value_head")
     if backend == "auto" and device.type == "cpu":
         # float32: BLAS gemv beats the C++ loop; half precision: the C++ loop (no float32 copy). The
         # Triton interpreter is for tests only.

@@ -87,7 +87,7 @@ def value_loss(values, old_values, returns, loss_mask, *, clip=None, cu_seqlens=
     check_choice("reduction", reduction, REDUCTIONS)
     denominator = check_denominator(denominator, reduction)
     cu_segments = check_layout(loss_mask, cu_seqlens, cu_segments)
-    b = resolve_backend(backend, device)
+    b = resolve_backend(backend, device, op="value_loss")
 
     if b == "torch":
         loss, m = ref.value_loss(values, old_values, returns, loss_mask, clip=clip, cu_seqlens=cu_seqlens,

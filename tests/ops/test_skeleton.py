@@ -45,7 +45,8 @@ def _fake_batch(T=64):
     dev = "cuda"
     return dict(mask=torch.ones(T, dtype=torch.bool, device=dev), cu=torch.tensor([0, 20, 40, 64], device=dev),
                 cs=torch.tensor([0, 2, 3], device=dev), x=torch.zeros(T, device=dev), y=torch.zeros(T, device=dev),
-                rr=torch.ones(2, device=dev), dev=dev, T=T)
+                rr=torch.ones(2, device=dev), h=torch.zeros(T, 8, device=dev, dtype=torch.bfloat16),
+                w=torch.zeros(8, device=dev), dev=dev, T=T)
 
 
 # (name, call, eager-op budget): what each op may dispatch around its kernels (outputs included); a change
@@ -64,6 +65,7 @@ CALLS = [
                                                                    cu_segments=b["cs"], reduction="rollout-mean"), 8),
     ("value_loss", lambda b: crf.value_loss(b["x"], b["y"], b["y"], b["mask"], cu_seqlens=b["cu"], clip=0.2), 8),
     ("global_token_count", lambda b: crf.global_token_count(b["mask"], as_tensor=True), 8),
+    ("value_head_loss", lambda b: crf.value_head_loss(b["h"], b["w"], None, b["x"], b["y"], b["mask"], clip=0.2), 8),
 ]
 
 

@@ -14,6 +14,8 @@ Gradients of both outputs with respect to z (p = softmax(z), H = entropy, one-ho
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import _alloc, _dispatch
@@ -210,8 +212,22 @@ def _chunks(T, C):
 # ---------------------------------------------------------------- forward / backward
 
 
+def _guard(t, use_triton):
+    """Triton launches on the tensors' device, not the current one."""
+    if not use_triton:
+        return contextlib.nullcontext()
+    from ..kernels.segments import device_guard
+
+    return device_guard(t)
+
+
 def linear_logprobs_fwd(hidden, weight, bias, targets, inv_t, C, want_entropy, use_triton):
     """Forward chunk loop: (lse, logp, entropy or None), each [T] fp32."""
+    with _guard(hidden, use_triton):
+        return _linear_logprobs_fwd(hidden, weight, bias, targets, inv_t, C, want_entropy, use_triton)
+
+
+def _linear_logprobs_fwd(hidden, weight, bias, targets, inv_t, C, want_entropy, use_triton):
     T, dev = hidden.shape[0], hidden.device
     lse = _alloc.empty(T, device=dev)
     logp = _alloc.empty(T, device=dev)
@@ -227,6 +243,14 @@ def linear_logprobs_fwd(hidden, weight, bias, targets, inv_t, C, want_entropy, u
 
 def linear_logprobs_bwd(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, inv_t, C, needs, use_triton,
                         rowmax=None, logsum=None):
+    """`_linear_logprobs_bwd` on the tensors' device."""
+    with _guard(hidden, use_triton):
+        return _linear_logprobs_bwd(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, inv_t, C, needs, use_triton,
+                                    rowmax, logsum)
+
+
+def _linear_logprobs_bwd(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, inv_t, C, needs, use_triton,
+                         rowmax=None, logsum=None):
     """Backward chunk loop: recompute each chunk's logits, form dL/dz, run the gradient matmuls.
 
     g_lp, g_ent: [T] upstream gradients (None: that output is unused). Returns (d hidden, d W, d b),
@@ -295,6 +319,12 @@ class LinearLogprobsLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, token_loss, inv_t, C, want_entropy, use_triton):
+        with _guard(hidden, use_triton):
+            return LinearLogprobsLossFunction._forward(ctx, hidden, weight, bias, targets, token_loss, inv_t, C,
+                                                       want_entropy, use_triton)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, bias, targets, token_loss, inv_t, C, want_entropy, use_triton):
         T, dev = hidden.shape[0], hidden.device
         lse, logp = _alloc.empty(T, device=dev), _alloc.empty(T, device=dev)
         ent = _alloc.empty(T, device=dev) if want_entropy else None

@@ -43,9 +43,11 @@ def _triton_op(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_
                clip_low: float, clip_high: float, dual_clip: float, tis_cap: float,
                need_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     from ..kernels.ppo_loss import ppo_loss_fwd
+    from ..kernels.segments import device_guard
 
-    return ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale,
-                        clip_low, clip_high, dual_clip, tis_cap, need_grad)
+    with device_guard(logprobs):  # launch on the tensors' device, not the current one
+        return ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale,
+                            clip_low, clip_high, dual_clip, tis_cap, need_grad)
 
 
 def _register(name):

@@ -34,9 +34,11 @@ def _fake(values, old_values, returns, loss_mask, cu_seqlens, seg_scale, clip, n
 @torch.library.custom_op("compactionrl_fast::value_loss_triton", mutates_args=())
 def _triton_op(values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor, cu_seqlens: Optional[Tensor],
                seg_scale: Tensor, clip: float, need_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    from ..kernels.segments import device_guard
     from ..kernels.value_loss import value_loss_fwd
 
-    return value_loss_fwd(values, old_values, returns, loss_mask, cu_seqlens, seg_scale, clip, need_grad)
+    with device_guard(values):  # launch on the tensors' device, not the current one
+        return value_loss_fwd(values, old_values, returns, loss_mask, cu_seqlens, seg_scale, clip, need_grad)
 
 
 def _register(name):

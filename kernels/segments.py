@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from compactionrl_fast.ops._validate import sanitize_offsets  # noqa: F401  (re-exported for the kernels)
+
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
 
 BLOCK = 1024  # mask bytes per loop step on GPU
@@ -29,16 +31,6 @@ def _segment_counts_kernel(mask_ptr, cu_ptr, counts_ptr, T, BLOCK: tl.constexpr)
         o_t = lo + i_b * BLOCK + o_b
         acc += tl.load(mask_ptr + o_t, mask=o_t < hi, other=0).to(tl.int64)
     tl.store(counts_ptr + s, tl.sum(acc, 0))
-
-
-def sanitize_offsets(cu, total):
-    """int64 offsets that are always safe to index with: clamped to [0, total], first 0, last `total`,
-    non-decreasing. Valid offsets come back unchanged; bad ones give a wrong layout, never a bad access.
-    cu: [N+1] int32/int64 -> int64 [N+1]."""
-    c = cu.long().clamp(0, total)
-    if c.numel():
-        c[0], c[-1] = 0, total
-    return torch.cummax(c, 0).values
 
 
 def device_guard(t):

@@ -15,7 +15,8 @@ from torch import Tensor
 
 from ..reference import gae as ref
 from ._reduction import resolve_backend
-from ._validate import FLOAT_DTYPES, check_choice, check_float, check_offsets, check_tensor, value_checks
+from ._validate import (FLOAT_DTYPES, check_choice, check_float, check_offsets, check_tensor, sanitize_offsets,
+                        value_checks)
 
 CROSS_MODES = {"none": 0, "paper": 1, "stitched": 2}
 LAM_CONST, LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT, LAM_TENSOR = 0, 1, 2, 3
@@ -190,6 +191,10 @@ def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gam
                                    cross_segment=cross_segment, lam_critic=lam_critic,
                                    adaptive_alpha=alpha, adaptive_length=adaptive_length)
         return adv.float().to(device), ret.float().to(device)
+    if b == "cuda":  # the CUDA C++ kernels index with the offsets: give them safe ones (unchecked on CUDA)
+        T = loss_mask.numel()
+        cu_seqlens = sanitize_offsets(cu_seqlens, T).to(cu_seqlens.dtype)
+        cu_segments = sanitize_offsets(cu_segments, S).to(cu_seqlens.dtype)
     op = torch.ops.compactionrl_fast.segment_gae_triton if b == "triton" else torch.ops.compactionrl_fast.segment_gae
     return op(rewards, values, loss_mask.contiguous(), cu_seqlens, cu_segments, lam_seg, gamma, lam_val, lam_mode,
               alpha, CROSS_MODES[cross_segment], lam_c, seg_start)

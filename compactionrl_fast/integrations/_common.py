@@ -13,6 +13,16 @@ def cfg_get(config, key, default=None):
     return get(key, default) if callable(get) else getattr(config, key, default)
 
 
+def number(name, x):
+    """float(x) for a Python/numpy/0-d tensor number; TypeError naming the argument otherwise."""
+    if isinstance(x, bool) or isinstance(x, (str, bytes)) or x is None:
+        raise TypeError(f"{name} must be a number, got {type(x).__name__} {x!r}")
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {type(x).__name__}") from None
+
+
 def masked_whiten(x, mask, eps=1e-8):
     """(x - mean) / sqrt(var + eps) over the trainable tokens, unbiased variance; 0 elsewhere.
 

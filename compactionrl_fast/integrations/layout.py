@@ -95,6 +95,24 @@ def _check_positions(rank_of_row, pos):
                              "for one rollout")
 
 
+def _row_order(B, rollout_ids, segment_index):
+    """(rows in packed order, rollout rank of each row, number of rollouts): rollouts by first appearance,
+    rows of a rollout by `segment_index` (else batch order). Validates both arguments."""
+    ids = list(range(B)) if rollout_ids is None else _as_list("rollout_ids", rollout_ids, B)
+    rank = {}
+    for i in ids:  # rollouts numbered by first appearance
+        rank.setdefault(i, len(rank))
+    rank_of_row = [rank[i] for i in ids]
+    if segment_index is None:
+        pos = list(range(B))
+    else:
+        pos = _as_list("segment_index", segment_index, B)
+        if not all(isinstance(p, int) and not isinstance(p, bool) for p in pos):
+            raise TypeError("segment_index must hold integers")
+        _check_positions(rank_of_row, pos)
+    return sorted(range(B), key=lambda b: (rank_of_row[b], pos[b])), rank_of_row, len(rank)
+
+
 def as_bool_mask(name, mask, ndim=2):
     """A 0/1 mask of any dtype (verl and OpenRLHF keep int or float masks) as bool."""
     check_tensor(name, mask, ndim=ndim)
@@ -140,19 +158,7 @@ def packed_layout(response_mask, rollout_ids=None, *, segment_index=None, keep=N
         if bool((mask & ~keep).any()):
             raise ValueError("keep must include every trainable token (response_mask is 1 where keep is 0)")
 
-    ids = list(range(B)) if rollout_ids is None else _as_list("rollout_ids", rollout_ids, B)
-    rank = {}
-    for i in ids:  # rollouts numbered by first appearance
-        rank.setdefault(i, len(rank))
-    rank_of_row = [rank[i] for i in ids]
-    if segment_index is None:
-        pos = list(range(B))
-    else:
-        pos = _as_list("segment_index", segment_index, B)
-        if not all(isinstance(p, int) and not isinstance(p, bool) for p in pos):
-            raise TypeError("segment_index must hold integers")
-        _check_positions(rank_of_row, pos)
-    order = sorted(range(B), key=lambda b: (rank_of_row[b], pos[b]))
+    order, rank_of_row, n_rollouts = _row_order(B, rollout_ids, segment_index)
 
     order_t = torch.tensor(order, dtype=torch.int64, device=device)
     kept = keep.index_select(0, order_t)  # [B, L] rows in packed order
@@ -160,7 +166,7 @@ def packed_layout(response_mask, rollout_ids=None, *, segment_index=None, keep=N
     index = order_t[rows] * L + cols
     zero = torch.zeros(1, dtype=torch.int64, device=device)
     cu_seqlens = torch.cat([zero, kept.sum(1).cumsum(0)])
-    per_rollout = torch.bincount(torch.tensor(rank_of_row, dtype=torch.int64), minlength=len(rank))
+    per_rollout = torch.bincount(torch.tensor(rank_of_row, dtype=torch.int64), minlength=n_rollouts)
     cu_segments = torch.cat([zero, per_rollout.to(device).cumsum(0)])
     return PackedLayout(index=index, loss_mask=mask.reshape(-1).index_select(0, index),
                         cu_seqlens=cu_seqlens.to(index_dtype), cu_segments=cu_segments.to(index_dtype),
@@ -214,20 +220,9 @@ def row_table(B, L, rollout_ids=None, segment_index=None, device="cpu") -> RowTa
     if hit is not None:
         _TABLES.move_to_end(key)
         return hit
-    ids = list(range(B)) if rollout_ids is None else _as_list("rollout_ids", rollout_ids, B)
-    rank = {}
-    for i in ids:  # rollouts numbered by first appearance
-        rank.setdefault(i, len(rank))
-    rank_of_row = [rank[i] for i in ids]
-    if segment_index is None:
-        pos = list(range(B))
-    else:
-        pos = _as_list("segment_index", segment_index, B)
-        if not all(isinstance(p, int) and not isinstance(p, bool) for p in pos):
-            raise TypeError("segment_index must hold integers")
-        _check_positions(rank_of_row, pos)
-    order = tuple(sorted(range(B), key=lambda b: (rank_of_row[b], pos[b])))
-    per_rollout = [0] * len(rank)
+    order, rank_of_row, n_rollouts = _row_order(B, rollout_ids, segment_index)
+    order = tuple(order)
+    per_rollout = [0] * n_rollouts
     for r in rank_of_row:
         per_rollout[r] += 1
     cu_segments = [0]

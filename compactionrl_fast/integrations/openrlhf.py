@@ -19,18 +19,8 @@ from torch import nn
 
 from ..ops import ppo_policy_loss, value_loss
 from ..ops._validate import trusted_layout
-from ._common import denominator_from, masked_mean
+from ._common import denominator_from, masked_mean, number as _number
 from .layout import as_bool_mask, flat, row_table, segment_gae_padded
-
-
-def _number(name, x):
-    """float(x) for a Python/numpy/0-d tensor number; TypeError naming the argument otherwise."""
-    if isinstance(x, bool) or isinstance(x, (str, bytes)) or x is None:
-        raise TypeError(f"{name} must be a number, got {type(x).__name__} {x!r}")
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {type(x).__name__}") from None
 
 
 @torch.no_grad()

@@ -44,7 +44,17 @@ std::tuple<at::Tensor, at::Tensor> segment_gae_cuda(const at::Tensor& rewards, c
   }
   const c10::cuda::CUDAGuard guard(dev);
   auto rew = rewards.contiguous(), val = values.contiguous(), mask = loss_mask.contiguous();
-  auto cs = cu_seqlens.contiguous(), cg = cu_segments.contiguous();
+  // The kernels index with the offsets; without a host read they cannot be checked, so make them safe on the
+  // device (clamped, first 0, last the total, non-decreasing): a bad layout gives wrong numbers, not a fault.
+  auto safe = [](const at::Tensor& cu, int64_t total, at::ScalarType dtype) {
+    at::Tensor c = cu.to(at::kLong).clamp(0, total);
+    if (c.numel() > 0) {
+      c.select(0, 0).fill_(0);
+      c.select(0, c.numel() - 1).fill_(total);
+    }
+    return std::get<0>(c.cummax(0)).to(dtype).contiguous();
+  };
+  auto cs = safe(cu_seqlens, T, idx), cg = safe(cu_segments, S, idx);
   auto adv = crf::empty_output({T}, rew.options()), ret = crf::empty_output({T}, rew.options());
   if (T == 0) return {adv, ret};
   // scratch: per-segment counts and numbers, per-tile carry maps and carry-ins

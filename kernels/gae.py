@@ -263,8 +263,12 @@ def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, S, gl
         mid = (s_hi + s_hi_hi + 1) // 2
         le = tl.load(cu_ptr + mid).to(tl.int64) <= hi - 1
         s_hi, s_hi_hi = tl.where(le, mid, s_hi), tl.where(le, s_hi_hi, mid - 1)
+    # bits of s_hi - s_lo (the per-token bisection's steps), in integers (a float log2 made triton 3.7 use stack)
+    n_bisect = lo * 0
     w = s_hi - s_lo
-    n_bisect = tl.where(w > 0, tl.floor(tl.log2(tl.maximum(w, 1).to(tl.float32))).to(tl.int64) + 1, 0)
+    for _ in range(LOG_S):
+        n_bisect += tl.where(w > 0, 1, 0)
+        w = w // 2
     gamma = tl.zeros([1], ACC) + gamma_hi + gamma_lo
     zero = tl.zeros([1], ACC)
     o_1 = tl.arange(0, 1)
@@ -362,6 +366,7 @@ INTERPRET_BLOCK = 32768  # at most; the interpreter pays per operation, not per 
 CARRY_BLOCK = 256       # chunk maps per block in phase 2
 PARAMS_BLOCK = 1024     # mask bytes per step of the per-rollout count
 LOOKBACK_TILE = 2048    # tokens per tile of the look-back plan (GPU)
+LOOKBACK_BLOCK = 128    # tokens per step inside a look-back tile (256: 128 registers and stack use on triton 3.7)
 NUM_WARPS = 4
 
 
@@ -390,7 +395,7 @@ _LOOKBACK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", mask_ptr="*u8", cu_ptr="*
                      S="i64", gl_ptr="*fp64", glc_ptr="*fp64", scale_ptr="*fp64", reset_ptr="*fp64", gamma_hi="fp32",
                      gamma_lo="fp32", ws_ptr="*i32", agg_ptr="*fp64", incl_ptr="*fp64", adv_ptr="*fp32",
                      ret_ptr="*fp32", n_tiles="i64", LOG_S="i32")
-AOT_SPECS += [("_gae_lookback_kernel", _LOOKBACK_SIG, {"TILE": LOOKBACK_TILE, "BLOCK": 256, "OWN_CRITIC": own,
+AOT_SPECS += [("_gae_lookback_kernel", _LOOKBACK_SIG, {"TILE": LOOKBACK_TILE, "BLOCK": LOOKBACK_BLOCK, "OWN_CRITIC": own,
                                                        "HAS_START": start})
               for own, start in [(True, False), (False, False), (True, True)]]
 AOT_SPECS += [("_gae_carry_kernel", {"summary_ptr": "*fp64", "carry_ptr": "*fp64", "n_chunks": "i64"},
@@ -484,7 +489,7 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
         incl = torch.empty(3, n_tiles, dtype=torch.float64, device=dev)
         _gae_lookback_kernel[(n_tiles,)](rewards, values, mask, cu, shift, T, S, *params.unbind(0), *_split(gamma),
                                          ws, agg, incl, adv, ret, n_tiles, max(1, S.bit_length()), TILE=tile,
-                                         BLOCK=min(block, tile), OWN_CRITIC=own, HAS_START=seg_start is not None,
+                                         BLOCK=min(LOOKBACK_BLOCK if dev.type == "cuda" else block, tile), OWN_CRITIC=own, HAS_START=seg_start is not None,
                                          num_warps=NUM_WARPS)
         return adv, ret
     cb, single = _plan(T, R, dev, chunk, block)

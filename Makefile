@@ -6,7 +6,7 @@ PIP_DEPS = torch==2.13.0 triton numpy pytest pytest-benchmark transformers token
 CONSTRAINTS ?= constraints.txt
 PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: install build test ctest bench bench-quick bench-rollout test-integrations check-cuda-build demo clean
+.PHONY: install build test ctest bench bench-quick bench-rollout test-integrations check-cuda-build demo clean mutate
 
 install:            ## venv, dependencies (versions from constraints.txt), and the C++ extension; about 8 min
 	@echo "==> [1/4] virtual environment .venv"
@@ -70,3 +70,7 @@ clean:
 .PHONY: demo-ablations
 demo-ablations:
 	$(PY) -m compactionrl_fast ablations $(ARGS)
+
+mutate:             ## mutation testing (mutmut 3) of the core modules under their tests; not in CI (minutes per module)
+	$(PY) -m pip install -q mutmut==3.8.1
+	$(PY) -m tests.mutate $(if $(MODULES),--modules $(MODULES))

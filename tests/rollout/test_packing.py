@@ -136,3 +136,20 @@ def test_pack_rejects_bad_records():
     with pytest.raises(ValueError, match="shared prefix"):
         pack([Rollout(segments=[good, bad_sum])], prefix_sharing=True)
     pack([Rollout(segments=[good, bad_sum])])  # without sharing the summary stands alone
+
+
+def test_per_rollout_fields_and_reward_modes(model_rollouts):
+    """The per-rollout fields (turns, errors, rewards) and `reward_mode` reach the batch (mutation testing
+    found them unchecked)."""
+    model, eng, ros, cfg = model_rollouts
+    b = pack(ros, mask_errors=False)
+    assert b.num_turns.dtype == torch.int64 and b.num_turns.tolist() == [len(r.turns) for r in ros]
+    assert b.errors == [r.error for r in ros] and any(e for e in b.errors)
+    assert b.rollout_rewards.tolist() == pytest.approx([float(r.reward) for r in ros])
+    experts = expert_rollouts(4, drop_oldest_p=0.0)  # reward 1 each, 5 segments
+    st = pack(experts, reward_mode="stitched")
+    ref = place_final_rewards(st.rollout_rewards, st.loss_mask, st.cu_seqlens, st.cu_segments, mode="stitched")
+    torch.testing.assert_close(st.rewards.double(), ref)
+    assert int((st.rewards != 0).sum()) == 4  # one reward per rollout, not one per segment as in "paper"
+    with pytest.raises(TypeError):
+        pack(ros[0])  # one Rollout, not a list of them

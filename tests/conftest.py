@@ -47,21 +47,21 @@ def _optional_missing(e):
     return isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in OPTIONAL
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item):
+def _skip_if_optional_missing():
+    """Hook body: a missing optional dependency skips the test instead of failing it."""
     try:
         return (yield)
     except ModuleNotFoundError as e:
         if _optional_missing(e):
             pytest.skip(_skip_reason(e.name.split(".")[0]))
         raise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _skip_if_optional_missing())
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    try:
-        return (yield)
-    except ModuleNotFoundError as e:
-        if _optional_missing(e):
-            pytest.skip(_skip_reason(e.name.split(".")[0]))
-        raise
+    return (yield from _skip_if_optional_missing())

@@ -160,11 +160,15 @@ def _inverse_denominator(d):
 
 _CODES = {"token-mean": 0, "segment-mean": 1, "rollout-mean": 2, "sum": 3}
 _CPP_WEIGHTS = _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "segment_weights")
+
+
+def _segment_weights_fake(loss_mask, cu_seqlens, cu_segments, reduction, den, den_t):
+    S = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return loss_mask.new_empty(S, dtype=torch.float64)
+
+
 if _CPP_WEIGHTS:
-    @torch.library.register_fake("compactionrl_fast::segment_weights")
-    def _segment_weights_fake(loss_mask, cu_seqlens, cu_segments, reduction, den, den_t):
-        S = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        return loss_mask.new_empty(S, dtype=torch.float64)
+    torch.library.register_fake("compactionrl_fast::segment_weights", _segment_weights_fake)
 
 
 @torch.library.custom_op("compactionrl_fast::segment_weights_triton", mutates_args=())
@@ -184,10 +188,7 @@ def _segment_weights_triton(loss_mask: torch.Tensor, cu_seqlens: Optional[torch.
     return launch(counts, cu_segments, reduction, den_t if den_t is not None else (den if given else None))
 
 
-@_segment_weights_triton.register_fake
-def _(loss_mask, cu_seqlens, cu_segments, reduction, den, den_t):
-    S = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return loss_mask.new_empty(S, dtype=torch.float64)
+torch.library.register_fake("compactionrl_fast::segment_weights_triton", _segment_weights_fake)
 
 
 def segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator=None):

@@ -14,9 +14,8 @@ import torch
 from torch import Tensor
 
 from ..reference import gae as ref
-from ._reduction import resolve_backend
-from ._validate import (FLOAT_DTYPES, check_choice, check_float, check_offsets, check_tensor, sanitize_offsets,
-                        value_checks)
+from ._reduction import check_layout, resolve_backend
+from ._validate import FLOAT_DTYPES, check_choice, check_float, check_tensor, value_checks
 
 CROSS_MODES = {"none": 0, "paper": 1, "stitched": 2}
 LAM_CONST, LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT, LAM_TENSOR = 0, 1, 2, 3
@@ -32,18 +31,11 @@ def _check_packed(rewards, values, loss_mask, cu_seqlens, cu_segments):
         if t.numel() != T:
             raise ValueError(f"{name} has {t.numel()} elements but loss_mask has {T}: rewards, values and "
                              "loss_mask must all be [T]")
-    read = value_checks(loss_mask)
     check_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
-    if cu_seqlens.numel() < 1:
-        raise ValueError("cu_seqlens must have at least one element (offsets [S+1])")
-    S = check_offsets("cu_seqlens", cu_seqlens, total=T, device=device) if read else cu_seqlens.numel() - 1
-    if cu_segments is None:
-        cu_segments = torch.arange(S + 1, dtype=cu_seqlens.dtype, device=device)
-    check_tensor("cu_segments", cu_segments, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
-    if cu_segments.numel() < 1:
-        raise ValueError("cu_segments must have at least one element (offsets [R+1])")
-    if read:
-        check_offsets("cu_segments", cu_segments, total=S, device=device, total_name="S (number of segments)")
+    if cu_segments is None:  # every segment its own rollout
+        cu_segments = torch.arange(cu_seqlens.numel(), dtype=cu_seqlens.dtype, device=device)
+    cu_segments = check_layout(loss_mask, cu_seqlens, cu_segments)
+    S = cu_seqlens.numel() - 1
     return cu_seqlens.contiguous(), cu_segments.to(cu_seqlens.dtype).contiguous(), S, cu_segments.numel() - 1
 
 
@@ -191,10 +183,6 @@ def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gam
                                    cross_segment=cross_segment, lam_critic=lam_critic,
                                    adaptive_alpha=alpha, adaptive_length=adaptive_length)
         return adv.float().to(device), ret.float().to(device)
-    if b == "cuda":  # the CUDA C++ kernels index with the offsets: give them safe ones (unchecked on CUDA)
-        T = loss_mask.numel()
-        cu_seqlens = sanitize_offsets(cu_seqlens, T).to(cu_seqlens.dtype)
-        cu_segments = sanitize_offsets(cu_segments, S).to(cu_seqlens.dtype)
     op = torch.ops.compactionrl_fast.segment_gae_triton if b == "triton" else torch.ops.compactionrl_fast.segment_gae
     return op(rewards, values, loss_mask.contiguous(), cu_seqlens, cu_segments, lam_seg, gamma, lam_val, lam_mode,
               alpha, CROSS_MODES[cross_segment], lam_c, seg_start)

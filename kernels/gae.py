@@ -32,10 +32,10 @@ import triton
 import triton.language as tl
 
 from compactionrl_fast.ops._alloc import empty
+from compactionrl_fast.ops._validate import sanitize_offsets
 
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
-
-from .segments import device_guard, sanitize_offsets
+from .segments import device_guard
 
 ACC = tl.float64  # accumulation dtype of the maps and carries (see the module docstring)
 LAM_CONST, LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT, LAM_TENSOR = 0, 1, 2, 3  # as compactionrl_fast/ops/gae.py

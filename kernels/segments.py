@@ -10,8 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from compactionrl_fast.ops._validate import sanitize_offsets  # noqa: F401  (re-exported for the kernels)
-
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
 
 BLOCK = 1024  # mask bytes per loop step on GPU

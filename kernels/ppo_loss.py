@@ -1,6 +1,8 @@
 """Triton kernels of `ppo_policy_loss` (docs/ops.md): one fused pass writes the per-token gradient
-(times its reduction weight) and per-block partial sums of the loss and the metrics; a second tiny pass
-adds the partials in block order, so results are bitwise deterministic (no float atomics).
+(times its reduction weight) and per-block partial sums of the loss and the metrics; the program that
+finishes last (an integer ticket counts the finished programs) then adds every block's partials in a
+fixed order in float64 and writes the loss and the metrics. No float atomics: results are bitwise
+deterministic, and the call is one launch.
 
 Launchers here have no autograd; compactionrl_fast/ops/ppo_loss.py wraps them in a custom op.
 """
@@ -13,6 +15,7 @@ from compactionrl_fast.ops._alloc import empty
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
 
 N_PARTS = 8  # loss, tokens, clipped, dual, kl, ratio_max, (2 unused: keeps rows 32-byte aligned)
+FINISH_BLOCKS = 256  # partial rows the last program adds per step
 
 
 @triton.jit
@@ -45,14 +48,61 @@ def segment_scale(o_t, cu, scale, S, n_iter, PER_SEG: tl.constexpr):
         return tl.load(scale).to(tl.float32)
 
 
+@triton.jit
+def last_program(ticket):
+    """True in the one program that finishes last: its partials and every other program's are stored.
+
+    The barrier orders all of this program's stores before the ticket; the atomic (acq_rel, gpu scope)
+    publishes them and, in the last program, makes the other programs' partials visible."""
+    tl.debug_barrier()
+    return tl.atomic_add(ticket, 1) == tl.num_programs(0) - 1
+
+
+@triton.jit
+def load_col(part, o_b, m_b, k):
+    """Column k of the [n_blocks, 8] partials' rows o_b as float64, 0 past the last row. .cg: read at L2,
+    where the other programs' stores are visible."""
+    return tl.load(part + o_b.to(tl.int64) * 8 + k, mask=m_b, other=0.0, cache_modifier=".cg").to(tl.float64)
+
+
+@triton.jit
+def ppo_finish(part, n_blocks, loss_out, metrics_out, FB: tl.constexpr):
+    """Adds the [n_blocks, 8] partials (float64, FB blocks at a time in block order) and writes the loss
+    float32 [] and the metrics float32 [4]: as the float64 sums divided by the trainable tokens n (0 when
+    n == 0), ratio_max = max(0, block maxima) with a NaN block maximum kept."""
+    o_r = tl.arange(0, FB)
+    s_loss = tl.zeros([1], tl.float64)
+    s_n, s_clip, s_dual, s_kl, r_max = s_loss, s_loss, s_loss, s_loss, s_loss
+    has_nan = tl.zeros([1], tl.int32)
+    for i in range(tl.cdiv(n_blocks, FB)):
+        o_b = i * FB + o_r
+        m_b = o_b < n_blocks
+        s_loss += tl.sum(load_col(part, o_b, m_b, 0), 0)
+        s_n += tl.sum(load_col(part, o_b, m_b, 1), 0)
+        s_clip += tl.sum(load_col(part, o_b, m_b, 2), 0)
+        s_dual += tl.sum(load_col(part, o_b, m_b, 3), 0)
+        s_kl += tl.sum(load_col(part, o_b, m_b, 4), 0)
+        b_r = load_col(part, o_b, m_b, 5)
+        has_nan = tl.maximum(has_nan, tl.max((b_r != b_r).to(tl.int32), 0))  # tl.max may drop a NaN
+        r_max = tl.maximum(r_max, tl.max(b_r, 0))
+    inv = tl.where(s_n > 0, 1.0 / tl.where(s_n > 0, s_n, 1.0), 0.0)
+    o1 = tl.arange(0, 1)
+    tl.store(loss_out + o1, s_loss.to(tl.float32))
+    tl.store(metrics_out + o1, (s_clip * inv).to(tl.float32))
+    tl.store(metrics_out + 1 + o1, (s_dual * inv).to(tl.float32))
+    tl.store(metrics_out + 2 + o1, (s_kl * inv).to(tl.float32))
+    tl.store(metrics_out + 3 + o1, tl.where(has_nan > 0, float("nan"), r_max).to(tl.float32))
+
+
 @triton.jit(do_not_specialize=["T", "S", "n_iter"])
-def ppo_loss_fwd_kernel(logp, old, adv, roll, mask, cu, scale, grad, part, T, S, n_iter, ratio_lo, ratio_hi,
-                        dual_c, tis_cap, HAS_TIS: tl.constexpr, PER_SEG: tl.constexpr, NEED_GRAD: tl.constexpr,
-                        BT: tl.constexpr):
+def ppo_loss_fwd_kernel(logp, old, adv, roll, mask, cu, scale, grad, part, ticket, loss_out, metrics_out, T, S,
+                        n_iter, ratio_lo, ratio_hi, dual_c, tis_cap, HAS_TIS: tl.constexpr, PER_SEG: tl.constexpr,
+                        NEED_GRAD: tl.constexpr, BT: tl.constexpr, FB: tl.constexpr):
     i_b = tl.program_id(0).to(tl.int64)
     o_t = i_b * BT + tl.arange(0, BT)
     m_t = o_t < T
-    # [BT]
+    # [BT]; the weight first: few values are live across its search loop (no spills)
+    b_w = segment_scale(o_t, cu, scale, S, n_iter, PER_SEG)
     b_m = tl.load(mask + o_t, mask=m_t, other=0) != 0
     b_old = tl.load(old + o_t, mask=m_t, other=0.0).to(tl.float32)
     b_x = tl.load(logp + o_t, mask=m_t, other=0.0).to(tl.float32) - b_old
@@ -75,7 +125,6 @@ def ppo_loss_fwd_kernel(logp, old, adv, roll, mask, cu, scale, grad, part, T, S,
         b_big = b_is > 3.40282347e38  # 0 * an overflowed weight is 0 (the float64 reference)
         b_l = tl.where((b_l == 0.0) & b_big, b_l, b_l * b_is)
         b_g = tl.where((b_g == 0.0) & b_big, b_g, b_g * b_is)
-    b_w = segment_scale(o_t, cu, scale, S, n_iter, PER_SEG)
     if NEED_GRAD:
         tl.store(grad + o_t, tl.where(b_m, b_g * b_w, 0.0), mask=m_t)
     p_part = part + i_b * 8
@@ -87,6 +136,8 @@ def ppo_loss_fwd_kernel(logp, old, adv, roll, mask, cu, scale, grad, part, T, S,
     # tl.max may drop NaN on GPU: a NaN ratio of a trainable token is stored as NaN explicitly
     b_nan = tl.max((b_m & (b_r != b_r)).to(tl.int32), 0)
     tl.store(p_part + 5, tl.where(b_nan > 0, float("nan"), tl.max(tl.where(b_m, b_r, 0.0), 0)))
+    if last_program(ticket):
+        ppo_finish(part, tl.num_programs(0), loss_out, metrics_out, FB)
 
 
 def search_steps(S: int) -> int:
@@ -96,8 +147,8 @@ def search_steps(S: int) -> int:
 
 def ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale,
                  clip_low, clip_high, dual_clip, tis_cap, need_grad, BT=1024):
-    """Fused forward. Tensors: float32 [T] (rollout_logprobs optional), bool [T], cu_seqlens [S+1] or None,
-    seg_scale float64 [S]. Returns (loss float32 [], metrics float32 [4] (clip_fraction,
+    """Fused forward, one launch. Tensors: float32 [T] (rollout_logprobs optional), bool [T], cu_seqlens
+    [S+1] or None, seg_scale float64 [S]. Returns (loss float32 [], metrics float32 [4] (clip_fraction,
     dual_clip_fraction, approx_kl, ratio_max), grad float32 [T] (or [0] without need_grad))."""
     T, device = logprobs.numel(), logprobs.device
     S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -105,36 +156,31 @@ def ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs
         raise ValueError(f"cu_seqlens must have at least 2 elements when T > 0, got {S + 1}")
     n_blocks = triton.cdiv(T, BT)
     grad = empty(T if need_grad else 0, device=device)
+    if n_blocks == 0:  # no tokens: loss and metrics 0
+        return torch.zeros((), device=device), torch.zeros(4, device=device), grad
+    loss, metrics = empty((), device=device), empty(4, device=device)
     part = empty(n_blocks, N_PARTS, device=device)
-    if n_blocks:
-        ppo_loss_fwd_kernel[(n_blocks,)](
-            logprobs, old_logprobs, advantages, logprobs if rollout_logprobs is None else rollout_logprobs,
-            loss_mask, seg_scale if cu_seqlens is None else cu_seqlens, seg_scale, grad, part, T, S,
-            search_steps(S), 1.0 - clip_low, 1.0 + clip_high, dual_clip, tis_cap,
-            HAS_TIS=rollout_logprobs is not None, PER_SEG=S > 1, NEED_GRAD=need_grad, BT=BT)
-    return (*reduce_partials(part), grad)
-
-
-def reduce_partials(part):
-    """The second pass: add the [n_blocks, 8] partials in block order (float64), make the metrics."""
-    tot = part[:, :5].double().sum(0)
-    ratio_max = torch.cat([part.new_zeros(1), part[:, 5]]).max()
-    n = tot[1]
-    inv = torch.where(n > 0, 1.0 / torch.where(n > 0, n, 1.0), 0.0)
-    metrics = torch.stack([tot[2] * inv, tot[3] * inv, tot[4] * inv, ratio_max.double()]).float()
-    return tot[0].float(), metrics
+    ticket = torch.zeros(1, dtype=torch.int32, device=device)
+    ppo_loss_fwd_kernel[(n_blocks,)](
+        logprobs, old_logprobs, advantages, logprobs if rollout_logprobs is None else rollout_logprobs,
+        loss_mask, seg_scale if cu_seqlens is None else cu_seqlens, seg_scale, grad, part, ticket, loss, metrics, T, S,
+        search_steps(S), 1.0 - clip_low, 1.0 + clip_high, dual_clip, tis_cap,
+        HAS_TIS=rollout_logprobs is not None, PER_SEG=S > 1, NEED_GRAD=need_grad, BT=BT, FB=FINISH_BLOCKS)
+    return loss, metrics, grad
 
 
 # What tests/test_aot.py compiles for sm_80/sm_90: every feature-flag combination that matters, both
 # index dtypes.
 def _aot_sig(idx):
     return {"logp": "*fp32", "old": "*fp32", "adv": "*fp32", "roll": "*fp32", "mask": "*i1", "cu": f"*{idx}",
-            "scale": "*fp64", "grad": "*fp32", "part": "*fp32", "T": "i32", "S": "i32", "n_iter": "i32",
-            "ratio_lo": "fp32", "ratio_hi": "fp32", "dual_c": "fp32", "tis_cap": "fp32",
-            "HAS_TIS": "constexpr", "PER_SEG": "constexpr", "NEED_GRAD": "constexpr", "BT": "constexpr"}
+            "scale": "*fp64", "grad": "*fp32", "part": "*fp32", "ticket": "*i32", "loss_out": "*fp32",
+            "metrics_out": "*fp32", "T": "i32", "S": "i32", "n_iter": "i32", "ratio_lo": "fp32", "ratio_hi": "fp32",
+            "dual_c": "fp32", "tis_cap": "fp32", "HAS_TIS": "constexpr", "PER_SEG": "constexpr",
+            "NEED_GRAD": "constexpr", "BT": "constexpr", "FB": "constexpr"}
 
 
 AOT_SPECS = [
-    ("ppo_loss_fwd_kernel", _aot_sig(idx), {"HAS_TIS": tis, "PER_SEG": per_seg, "NEED_GRAD": True, "BT": 1024})
+    ("ppo_loss_fwd_kernel", _aot_sig(idx), {"HAS_TIS": tis, "PER_SEG": per_seg, "NEED_GRAD": True, "BT": 1024,
+                                               "FB": FINISH_BLOCKS})
     for idx, tis, per_seg in [("i32", False, False), ("i32", True, True), ("i64", False, True)]
 ]

@@ -1,6 +1,7 @@
 """Triton kernels of `value_loss` (docs/ops.md): one fused pass writes the per-token gradient (times
-its reduction weight) and per-block partials of the loss and the metrics; a second tiny pass combines the
-partials in block order (no float atomics, bitwise deterministic).
+its reduction weight) and per-block partials of the loss and the metrics; the program that finishes last
+combines the partials in a fixed order in float64 and writes the loss and the metrics (no float atomics,
+bitwise deterministic, one launch; see `last_program` in kernels/ppo_loss.py).
 
 The explained variance is combined from per-block (count, sum, sum of squared deviations from the block
 mean) (Chan et al.), so a large mean of the returns does not cancel the variance away.
@@ -14,14 +15,56 @@ from compactionrl_fast.ops._alloc import empty
 
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
 
-from .ppo_loss import search_steps, segment_scale
+from .ppo_loss import FINISH_BLOCKS, last_program, load_col, search_steps, segment_scale
 
 N_PARTS = 8  # loss, tokens, clipped, sum_v, sum_r, m2_r, sum_e, m2_e  (e = returns - values)
 
 
+@triton.jit
+def value_finish(part, n_blocks, loss_out, metrics_out, FB: tl.constexpr):
+    """Combines the [n_blocks, 8] partials (float64, FB blocks at a time in block order) and writes the loss
+    float32 [] and the metrics float32 [3]: clip fraction and value mean over the trainable tokens n (0 when
+    n == 0), explained variance 1 - Var(e)/Var(R) (0 when Var(R) <= 0, NaN stays NaN), each variance
+    combined from the blocks' (count, sum, squared deviations) as Chan et al.: (sum m2_b + sum n_b
+    (mean_b - mean)^2) / n."""
+    o_r = tl.arange(0, FB)
+    s_loss = tl.zeros([1], tl.float64)
+    s_n, s_clip, s_v, s_r, m2_r, s_e, m2_e = s_loss, s_loss, s_loss, s_loss, s_loss, s_loss, s_loss
+    for i in range(tl.cdiv(n_blocks, FB)):
+        o_b = i * FB + o_r
+        m_b = o_b < n_blocks
+        s_loss += tl.sum(load_col(part, o_b, m_b, 0), 0)
+        s_n += tl.sum(load_col(part, o_b, m_b, 1), 0)
+        s_clip += tl.sum(load_col(part, o_b, m_b, 2), 0)
+        s_v += tl.sum(load_col(part, o_b, m_b, 3), 0)
+        s_r += tl.sum(load_col(part, o_b, m_b, 4), 0)
+        m2_r += tl.sum(load_col(part, o_b, m_b, 5), 0)
+        s_e += tl.sum(load_col(part, o_b, m_b, 6), 0)
+        m2_e += tl.sum(load_col(part, o_b, m_b, 7), 0)
+    n_1 = tl.maximum(s_n, 1.0)
+    mean_r, mean_e = s_r / n_1, s_e / n_1
+    for i in range(tl.cdiv(n_blocks, FB)):  # the spread of the block means around the mean
+        o_b = i * FB + o_r
+        m_b = o_b < n_blocks
+        n_b = load_col(part, o_b, m_b, 1)
+        d_r = load_col(part, o_b, m_b, 4) / tl.maximum(n_b, 1.0) - mean_r
+        d_e = load_col(part, o_b, m_b, 6) / tl.maximum(n_b, 1.0) - mean_e
+        m2_r += tl.sum(tl.where(m_b, n_b * d_r * d_r, 0.0), 0)
+        m2_e += tl.sum(tl.where(m_b, n_b * d_e * d_e, 0.0), 0)
+    var_r, var_e = m2_r / n_1, m2_e / n_1
+    ev = tl.where(var_r <= 0, 0.0, 1.0 - var_e / tl.where(var_r <= 0, 1.0, var_r))  # a NaN var_r gives NaN
+    inv = tl.where(s_n > 0, 1.0 / tl.where(s_n > 0, s_n, 1.0), 0.0)
+    o1 = tl.arange(0, 1)
+    tl.store(loss_out + o1, s_loss.to(tl.float32))
+    tl.store(metrics_out + o1, (s_clip * inv).to(tl.float32))
+    tl.store(metrics_out + 1 + o1, (s_v * inv).to(tl.float32))
+    tl.store(metrics_out + 2 + o1, ev.to(tl.float32))
+
+
 @triton.jit(do_not_specialize=["T", "S", "n_iter"])
-def value_loss_fwd_kernel(v, old, ret, mask, cu, scale, grad, part, T, S, n_iter, eps, USE_CLIP: tl.constexpr,
-                          PER_SEG: tl.constexpr, NEED_GRAD: tl.constexpr, BT: tl.constexpr):
+def value_loss_fwd_kernel(v, old, ret, mask, cu, scale, grad, part, ticket, loss_out, metrics_out, T, S, n_iter, eps,
+                          USE_CLIP: tl.constexpr, PER_SEG: tl.constexpr, NEED_GRAD: tl.constexpr, BT: tl.constexpr,
+                          FB: tl.constexpr):
     i_b = tl.program_id(0).to(tl.int64)
     o_t = i_b * BT + tl.arange(0, BT)
     m_t = o_t < T
@@ -66,11 +109,13 @@ def value_loss_fwd_kernel(v, old, ret, mask, cu, scale, grad, part, T, S, n_iter
     tl.store(p_part + 5, tl.sum(b_dr * b_dr, 0))
     tl.store(p_part + 6, sum_e)
     tl.store(p_part + 7, tl.sum(b_de * b_de, 0))
+    if last_program(ticket):
+        value_finish(part, tl.num_programs(0), loss_out, metrics_out, FB)
 
 
 def value_loss_fwd(values, old_values, returns, loss_mask, cu_seqlens, seg_scale, clip, need_grad, BT=1024):
-    """Fused forward. Tensors: float32 [T], bool [T], cu_seqlens [S+1] or None, seg_scale float64 [S];
-    clip < 0 switches the clip off. Returns (loss float32 [], metrics float32 [3] (clip_fraction,
+    """Fused forward, one launch. Tensors: float32 [T], bool [T], cu_seqlens [S+1] or None, seg_scale float64
+    [S]; clip < 0 switches the clip off. Returns (loss float32 [], metrics float32 [3] (clip_fraction,
     value_mean, explained_variance), grad float32 [T] (or [0] without need_grad))."""
     T, device = values.numel(), values.device
     S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -78,44 +123,28 @@ def value_loss_fwd(values, old_values, returns, loss_mask, cu_seqlens, seg_scale
         raise ValueError(f"cu_seqlens must have at least 2 elements when T > 0, got {S + 1}")
     n_blocks = triton.cdiv(T, BT)
     grad = empty(T if need_grad else 0, device=device)
+    if n_blocks == 0:  # no tokens: loss and metrics 0
+        return torch.zeros((), device=device), torch.zeros(3, device=device), grad
+    loss, metrics = empty((), device=device), empty(3, device=device)
     part = empty(n_blocks, N_PARTS, device=device)
-    if n_blocks:
-        value_loss_fwd_kernel[(n_blocks,)](
-            values, old_values, returns, loss_mask, seg_scale if cu_seqlens is None else cu_seqlens, seg_scale,
-            grad, part, T, S, search_steps(S), max(clip, 0.0), USE_CLIP=clip >= 0, PER_SEG=S > 1,
-            NEED_GRAD=need_grad, BT=BT)
-    return (*reduce_partials(part), grad)
-
-
-def _combine(n, s, m2):
-    """Population variance of the union of blocks with counts n, sums s and squared deviations m2 [B]."""
-    N = n.sum()
-    mean = s.sum() / N.clamp(min=1.0)
-    mean_b = s / n.clamp(min=1.0)
-    return (m2.sum() + (n * (mean_b - mean) ** 2).sum()) / N.clamp(min=1.0)
-
-
-def reduce_partials(part):
-    """The second pass: combine the [n_blocks, 8] partials in block order (float64)."""
-    p = part.double()
-    tot = p.sum(0)
-    n = tot[1]
-    inv = torch.where(n > 0, 1.0 / torch.where(n > 0, n, 1.0), 0.0)
-    var_r = _combine(p[:, 1], p[:, 4], p[:, 5])
-    var_e = _combine(p[:, 1], p[:, 6], p[:, 7])
-    ev = torch.where(var_r <= 0, 0.0, 1.0 - var_e / torch.where(var_r <= 0, 1.0, var_r))  # NaN stays NaN
-    metrics = torch.stack([tot[2] * inv, tot[3] * inv, ev]).float()
-    return tot[0].float(), metrics
+    ticket = torch.zeros(1, dtype=torch.int32, device=device)
+    value_loss_fwd_kernel[(n_blocks,)](
+        values, old_values, returns, loss_mask, seg_scale if cu_seqlens is None else cu_seqlens, seg_scale,
+        grad, part, ticket, loss, metrics, T, S, search_steps(S), max(clip, 0.0), USE_CLIP=clip >= 0, PER_SEG=S > 1,
+        NEED_GRAD=need_grad, BT=BT, FB=FINISH_BLOCKS)
+    return loss, metrics, grad
 
 
 def _aot_sig(idx):
     return {"v": "*fp32", "old": "*fp32", "ret": "*fp32", "mask": "*i1", "cu": f"*{idx}", "scale": "*fp64",
-            "grad": "*fp32", "part": "*fp32", "T": "i32", "S": "i32", "n_iter": "i32", "eps": "fp32",
-            "USE_CLIP": "constexpr", "PER_SEG": "constexpr", "NEED_GRAD": "constexpr", "BT": "constexpr"}
+            "grad": "*fp32", "part": "*fp32", "ticket": "*i32", "loss_out": "*fp32", "metrics_out": "*fp32",
+            "T": "i32", "S": "i32", "n_iter": "i32", "eps": "fp32", "USE_CLIP": "constexpr", "PER_SEG": "constexpr",
+            "NEED_GRAD": "constexpr", "BT": "constexpr", "FB": "constexpr"}
 
 
 # What tests/test_aot.py compiles for sm_80/sm_90.
 AOT_SPECS = [
-    ("value_loss_fwd_kernel", _aot_sig(idx), {"USE_CLIP": clip, "PER_SEG": per_seg, "NEED_GRAD": True, "BT": 1024})
+    ("value_loss_fwd_kernel", _aot_sig(idx), {"USE_CLIP": clip, "PER_SEG": per_seg, "NEED_GRAD": True, "BT": 1024,
+                                                 "FB": FINISH_BLOCKS})
     for idx, clip, per_seg in [("i32", True, False), ("i32", False, True), ("i64", True, True)]
 ]

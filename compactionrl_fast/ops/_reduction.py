@@ -175,6 +175,7 @@ if _CPP_WEIGHTS:
 def _segment_weights_triton(loss_mask: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
                             cu_segments: Optional[torch.Tensor], reduction: int, den: float,
                             den_t: Optional[torch.Tensor]) -> torch.Tensor:
+    from ..kernels.segments import segment_counts as launch_counts
     from ..kernels.segments import segment_weights as launch
 
     S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -184,25 +185,26 @@ def _segment_weights_triton(loss_mask: torch.Tensor, cu_seqlens: Optional[torch.
     elif cu_seqlens is None:
         counts = torch.count_nonzero(loss_mask).reshape(1)
     else:
-        counts = segment_counts(loss_mask, cu_seqlens)
+        counts = launch_counts(loss_mask, cu_seqlens)
     return launch(counts, cu_segments, reduction, den_t if den_t is not None else (den if given else None))
 
 
 torch.library.register_fake("compactionrl_fast::segment_weights_triton", _segment_weights_fake)
 
 
-def segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator=None):
+def segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator=None, backend=None):
     """Reduction weight of each segment's tokens: float64 [S] ([1] when cu_seqlens is None).
 
-    One op call: C++ on CPU, Triton on CUDA (counts, then one program for D and the weights); the torch
-    formulation below where neither is there. A negative or NaN tensor denominator gives NaN weights."""
+    One op call: the Triton kernels for backend "triton" and on CUDA (counts, then one program for D
+    and the weights), C++ on CPU; the torch formulation below where neither is there. A negative or
+    NaN tensor denominator gives NaN weights."""
     device = loss_mask.device
     den = -1.0 if denominator is None or isinstance(denominator, torch.Tensor) else float(denominator)
     den_t = denominator if isinstance(denominator, torch.Tensor) else None
-    if device.type == "cpu" and _CPP_WEIGHTS:
+    if device.type == "cpu" and _CPP_WEIGHTS and backend != "triton":
         return torch.ops.compactionrl_fast.segment_weights(loss_mask, cu_seqlens, cu_segments, _CODES[reduction], den,
                                                            den_t)
-    if device.type == "cuda" and _dispatch.has_triton():
+    if (device.type == "cuda" or backend == "triton") and _dispatch.has_triton():
         return torch.ops.compactionrl_fast.segment_weights_triton(loss_mask, cu_seqlens, cu_segments,
                                                                   _CODES[reduction], den, den_t)
     return segment_weights_torch(loss_mask, cu_seqlens, cu_segments, reduction, denominator)

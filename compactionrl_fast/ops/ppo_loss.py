@@ -130,7 +130,7 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, cu_seqlens
                                       reduction=reduction, denominator=denominator)
         return loss.to(device, torch.float32), {k: v.to(device, torch.float32) for k, v in m.items()}
 
-    seg_scale = segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator)
+    seg_scale = segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator, backend=b)
     need_grad = torch.is_grad_enabled() and logprobs.requires_grad
     f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
     op = torch.ops.compactionrl_fast.ppo_policy_loss_triton if b == "triton" else torch.ops.compactionrl_fast.ppo_policy_loss

@@ -96,7 +96,7 @@ def value_loss(values, old_values, returns, loss_mask, *, clip=None, cu_seqlens=
                                  cu_segments=cu_segments, reduction=reduction, denominator=denominator)
         return loss.to(device, torch.float32), {k: v.to(device, torch.float32) for k, v in m.items()}
 
-    seg_scale = segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator)
+    seg_scale = segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator, backend=b)
     need_grad = torch.is_grad_enabled() and values.requires_grad
     f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
     op = torch.ops.compactionrl_fast.value_loss_triton if b == "triton" else torch.ops.compactionrl_fast.value_loss

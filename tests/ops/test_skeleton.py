@@ -361,3 +361,54 @@ def test_segment_weights_backends_agree(reduction, den, layout):
         torch.testing.assert_close(g, want, rtol=1e-15, atol=0, equal_nan=True)
     if den == "negative":
         assert want.isnan().all()
+
+
+LOSS_LAUNCH_CASES = [  # (reduction, layout, denominator, kernel launches: [counts +] weights + loss with its finish)
+    ("token-mean", "none", None, 2), ("token-mean", "packed", None, 3), ("token-mean", "packed", 300.0, 2),
+    ("token-mean", "packed", "tensor", 2), ("segment-mean", "packed", None, 3), ("segment-mean", "packed", 7.0, 3),
+    ("rollout-mean", "packed", None, 3), ("rollout-mean", "segments", "tensor", 3), ("sum", "packed", None, 2),
+]
+
+
+@pytest.mark.skipif("triton" not in _dispatch.available(torch.device("cpu")), reason="needs the Triton interpreter")
+@pytest.mark.parametrize("loss", ["ppo_policy_loss", "value_loss"])
+@pytest.mark.parametrize("reduction,layout,den,want", LOSS_LAUNCH_CASES)
+def test_loss_triton_launch_count(monkeypatch, loss, reduction, layout, den, want):
+    """Kernel launches per loss call on the Triton path (the one CUDA tensors take): the reduction weights
+    (a counts kernel when they need counts, one program for the weights), then the loss kernel, whose last
+    program adds the partials: at most 3, and no torch op finishes the reduction. Every Triton launch is
+    counted (the interpreter's launch entry point is wrapped), whichever kernel it is."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from compactionrl_fast.reference import losses as ref_losses
+    from tests.utils import packed_batch
+
+    log, run = [], InterpretedFunction.run
+
+    def counted_run(self, *args, **kwargs):
+        if not kwargs.get("warmup"):
+            log.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted_run)
+    # 2,500 tokens: three loss programs, so the finish adds partials written by other programs
+    b = packed_batch([[(900, "rand"), (0, "rand"), (700, "rand")], [(5, "all")], [(895, "rand")]], index_dtype=torch.int64)
+    T = b["loss_mask"].numel()
+    g = torch.Generator().manual_seed(3)
+    x, y, z = (torch.randn(T, generator=g) * 0.3 for _ in range(3))
+    layout_kw = {"none": {}, "segments": dict(cu_seqlens=b["cu_seqlens"]),
+                 "packed": dict(cu_seqlens=b["cu_seqlens"], cu_segments=b["cu_segments"])}[layout]
+    kw = dict(layout_kw, reduction=reduction, denominator=torch.tensor(250.0) if den == "tensor" else den)
+    if loss == "ppo_policy_loss":
+        args = (x, x + y, z, b["loss_mask"])
+        got, m = crf.ppo_policy_loss(*args, **kw, backend="triton")
+        want_loss, want_m = ref_losses.ppo_policy_loss(*args, **kw)
+    else:
+        args = (x, x + y, z, b["loss_mask"])
+        got, m = crf.value_loss(*args, clip=0.1, **kw, backend="triton")
+        want_loss, want_m = ref_losses.value_loss(*args, clip=0.1, **kw)
+    assert len(log) == want <= 3, log
+    assert log.count(f"{loss.replace('_policy', '')}_fwd_kernel") == 1, log
+    torch.testing.assert_close(got.double(), want_loss, rtol=1e-5, atol=1e-7)
+    for k, v in m.items():
+        torch.testing.assert_close(v.double(), want_m[k], rtol=1e-5, atol=1e-6, msg=k)

@@ -9,16 +9,24 @@ for O(C * V) memory. `linear_logprobs_loss` is the fused variant: the caller's (
 is applied inside the forward chunk loop, so the gradients come from the logits still in the buffer
 (3 matmuls).
 
+`linear_logprobs` is two custom ops, `compactionrl_fast::linear_logprobs_fwd` (the forward chunk loop)
+and `compactionrl_fast::linear_logprobs_bwd` (the backward one), with fake impls and a registered
+autograd formula, so torch.compile traces it without a graph break. `linear_logprobs_loss` takes a
+Python callable, which a custom op schema cannot carry: it stays a torch.autograd.Function.
+
 Gradients of both outputs with respect to z (p = softmax(z), H = entropy, one-hot of the target e_y):
     d logp / dz = e_y - p            d H / dz = -p * (log p + H)
 """
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
+from torch import Tensor
 
-from . import _alloc, _dispatch
+from . import _alloc
+from ._reduction import resolve_backend
 from ._validate import check_float, check_tensor, value_checks
 
 HIDDEN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -271,28 +279,72 @@ def _linear_logprobs_bwd(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, i
     return grads.result()
 
 
-class LinearLogprobsFunction(torch.autograd.Function):
-    """Saves the inputs and the [T] row statistics; recomputes the logits chunk by chunk in backward."""
+# ---------------------------------------------------------------- custom ops: fake impls and autograd
+# Optional outputs are [0] tensors when absent (a custom op returns tensors only).
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_t, C, want_entropy, use_triton):
-        lse, logp, ent, rowmax, logsum = linear_logprobs_fwd(hidden, weight, bias, targets, inv_t, C, want_entropy,
-                                                             use_triton)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent, rowmax, logsum)
-        ctx.cfg = (inv_t, C, use_triton)
-        ctx.set_materialize_grads(False)
-        return (logp, ent) if want_entropy else logp
 
-    @staticmethod
-    def backward(ctx, g_lp, g_ent=None):
-        hidden, weight, bias, targets, lse, ent, rowmax, logsum = ctx.saved_tensors
-        needs = tuple(ctx.needs_input_grad[:3])
-        if (g_lp is None and g_ent is None) or not any(needs):
-            return (None,) * 8
-        inv_t, C, use_triton = ctx.cfg
-        dh, dw, db = linear_logprobs_bwd(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, inv_t, C, needs,
-                                         use_triton, rowmax, logsum)
-        return dh, dw, db, None, None, None, None, None
+def _empty0(t):
+    return t.new_empty(0, dtype=torch.float32)
+
+
+@torch.library.custom_op("compactionrl_fast::linear_logprobs_fwd", mutates_args=())
+def _fwd_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, inv_t: float, C: int,
+            want_entropy: bool, use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(lse, logp, entropy or [0], rowmax or [0], logsum or [0]), each [T] fp32 (see `linear_logprobs_fwd`)."""
+    out = linear_logprobs_fwd(hidden, weight, bias, targets, inv_t, C, want_entropy, use_triton)
+    return tuple(_empty0(hidden) if t is None else t for t in out)
+
+
+@_fwd_op.register_fake
+def _(hidden, weight, bias, targets, inv_t, C, want_entropy, use_triton):
+    T = hidden.shape[0]
+    row = lambda on: hidden.new_empty(T if on else 0, dtype=torch.float32)  # noqa: E731
+    return row(True), row(True), row(want_entropy), row(not use_triton), row(not use_triton)
+
+
+@torch.library.custom_op("compactionrl_fast::linear_logprobs_bwd", mutates_args=())
+def _bwd_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, lse: Tensor, ent: Tensor,
+            g_lp: Optional[Tensor], g_ent: Optional[Tensor], rowmax: Tensor, logsum: Tensor, inv_t: float, C: int,
+            need_hidden: bool, need_weight: bool, need_bias: bool,
+            use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(d hidden [T, H], d W [V, H], d b [V]) in the inputs' dtypes, [0] where not needed (see
+    `linear_logprobs_bwd`). rowmax, logsum: [0] on the Triton path."""
+    out = linear_logprobs_bwd(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, inv_t, C,
+                              (need_hidden, need_weight, need_bias), use_triton, None if use_triton else rowmax,
+                              None if use_triton else logsum)
+    return tuple(hidden.new_empty(0) if g is None else g for g in out)
+
+
+@_bwd_op.register_fake
+def _(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, rowmax, logsum, inv_t, C, need_hidden, need_weight,
+      need_bias, use_triton):
+    return (hidden.new_empty(hidden.shape if need_hidden else (0,)),
+            weight.new_empty(weight.shape if need_weight else (0,)),
+            weight.new_empty((weight.shape[0],) if need_bias else (0,)))
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    hidden, weight, bias, targets, inv_t, C, want_entropy, use_triton = inputs
+    lse, _, ent, rowmax, logsum = output
+    ctx.save_for_backward(hidden, weight, bias, targets, lse, ent, rowmax, logsum)
+    ctx.cfg = (inv_t, C, use_triton)
+    ctx.set_materialize_grads(False)  # no zero [T] gradients for unused outputs
+
+
+def _fwd_backward(ctx, g_lse, g_lp, g_ent, g_rowmax, g_logsum):
+    """Recomputes the logits chunk by chunk (the backward op); only logp and the entropy carry gradients."""
+    hidden, weight, bias, targets, lse, ent, rowmax, logsum = ctx.saved_tensors
+    needs = tuple(bool(n) for n in ctx.needs_input_grad[:3])
+    if (g_lp is None and g_ent is None) or not any(needs):
+        return (None,) * 8
+    inv_t, C, use_triton = ctx.cfg
+    dh, dw, db = torch.ops.compactionrl_fast.linear_logprobs_bwd(
+        hidden, weight, bias, targets, lse, ent, g_lp, g_ent, rowmax, logsum, inv_t, C, *needs, use_triton)
+    return (dh if needs[0] else None, dw if needs[1] else None, db if needs[2] else None) + (None,) * 5
+
+
+torch.library.register_autograd("compactionrl_fast::linear_logprobs_fwd", _fwd_backward,
+                                setup_context=_fwd_setup_context)
 
 
 def _chunk_upstream(token_loss, logp, ent, sl):
@@ -398,7 +450,7 @@ def _check_inputs(hidden, weight, targets, bias, temperature, chunk_size, return
 def _resolve_backend(backend, device, dtype):
     # CPU tensors run the PyTorch chunk loop (the table's order); the Triton kernels on CPU exist only for the
     # interpreter
-    b = _dispatch.resolve(backend, device, op="linear_logprobs")
+    b = resolve_backend(backend, device, op="linear_logprobs")  # a constant to torch.compile
     if b == "triton" and device.type != "cuda" and dtype != torch.float32:
         raise ValueError("backend='triton' on CPU tensors (the Triton interpreter) supports float32 only: the "
                          "interpreter's bf16/fp16 arithmetic is unreliable; use backend='torch'")
@@ -443,8 +495,9 @@ def linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, chun
     T, V = hidden.shape[0], weight.shape[0]
     C = chunk_size if chunk_size is not None else default_chunk_size(T, V, hidden.device)
     C = max(1, min(C, T))
-    return LinearLogprobsFunction.apply(hidden, weight, bias, targets.long().contiguous(), 1.0 / temperature, C,
-                                        return_entropy, b == "triton")
+    _, logp, ent, _, _ = torch.ops.compactionrl_fast.linear_logprobs_fwd(
+        hidden, weight, bias, targets.long().contiguous(), 1.0 / temperature, C, return_entropy, b == "triton")
+    return (logp, ent) if return_entropy else logp
 
 
 def linear_logprobs_loss(hidden, weight, targets, token_loss, *, bias=None, temperature=1.0, chunk_size=None,
@@ -459,6 +512,8 @@ def linear_logprobs_loss(hidden, weight, targets, token_loss, *, bias=None, temp
     while each chunk's logits are in the buffer: 3 matmuls where `linear_logprobs` + autograd runs 4.
     Tensors captured by `token_loss` receive no gradient. Backward scales the stored gradients by the
     upstream gradient of the loss; they are held from forward to backward ([T, H] + [V, H] + [V]).
+    Unlike `linear_logprobs` this is a torch.autograd.Function, not a custom op (an op schema cannot
+    carry the Python callable `token_loss`): torch.compile runs it outside the graph.
 
     Args: as `linear_logprobs`; `with_entropy` passes (and returns) the entropy.
 

@@ -46,7 +46,8 @@ def _fake_batch(T=64):
     return dict(mask=torch.ones(T, dtype=torch.bool, device=dev), cu=torch.tensor([0, 20, 40, 64], device=dev),
                 cs=torch.tensor([0, 2, 3], device=dev), x=torch.zeros(T, device=dev), y=torch.zeros(T, device=dev),
                 rr=torch.ones(2, device=dev), h=torch.zeros(T, 8, device=dev, dtype=torch.bfloat16),
-                w=torch.zeros(8, device=dev), dev=dev, T=T)
+                w=torch.zeros(8, device=dev), lm_head=torch.zeros(50, 8, device=dev, dtype=torch.bfloat16),
+                targets=torch.zeros(T, dtype=torch.int64, device=dev), dev=dev, T=T)
 
 
 # (name, call, eager-op budget): what each op may dispatch around its kernels (outputs included); a change
@@ -66,6 +67,8 @@ CALLS = [
     ("value_loss", lambda b: crf.value_loss(b["x"], b["y"], b["y"], b["mask"], cu_seqlens=b["cu"], clip=0.2), 8),
     ("global_token_count", lambda b: crf.global_token_count(b["mask"], as_tensor=True), 8),
     ("value_head_loss", lambda b: crf.value_head_loss(b["h"], b["w"], None, b["x"], b["y"], b["mask"], clip=0.2), 8),
+    ("linear_logprobs", lambda b: crf.linear_logprobs(b["h"], b["lm_head"], b["targets"], return_entropy=True,
+                                                      temperature=0.7), 8),
 ]
 
 
@@ -108,6 +111,32 @@ def test_loss_backward_has_no_host_read_and_refuses_a_second_call():
         assert out[0].shape == (8,) and len(out) == 8 and all(o is None for o in out[1:])
         with pytest.raises(RuntimeError, match="second backward"):
             backward(ctx, torch.tensor(2.0, device="cuda"), None, None)
+
+
+def test_linear_logprobs_backward_has_no_host_read():
+    """The registered backward of linear_logprobs (autograd on fake CUDA tensors needs a CUDA build, so the
+    formula is called directly): one backward op call, gradients of the right shapes, only for the inputs
+    that need them."""
+    import importlib
+
+    ll = importlib.import_module("compactionrl_fast.ops.linear_logprobs")
+
+    class Ctx:
+        pass
+
+    with FakeTensorMode():
+        b = _fake_batch()
+        h, w, y = b["h"], b["lm_head"], b["targets"]
+        lse, _, ent, rowmax, logsum = torch.ops.compactionrl_fast.linear_logprobs_fwd(h, w, None, y, 1.0, 16, True, True)
+        g = torch.ones(b["T"], device=b["dev"])
+        ctx = Ctx()
+        ctx.saved_tensors, ctx.cfg = (h, w, None, y, lse, ent, rowmax, logsum), (1.0, 16, True)
+        ctx.needs_input_grad = (True, True, False) + (False,) * 5
+        counter = CountOps()
+        with counter:
+            out = ll._fwd_backward(ctx, None, g, g, None, None)
+    assert dict(counter.ops) == {"compactionrl_fast.linear_logprobs_bwd.default": 1}
+    assert out[0].shape == h.shape and out[1].shape == w.shape and all(o is None for o in out[2:])
 
 
 @pytest.mark.parametrize("backend", [b for b in ("cpp", "triton") if b in _dispatch.available(torch.device("cpu"))])

@@ -114,7 +114,7 @@ def want_cuda():
 
 def extension():
     rel = lambda pattern: sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, pattern)))
-    sources = ["csrc/module.cpp"] + rel("csrc/cpu/*.cpp")
+    sources = ["csrc/module.cpp", "csrc/schemas.cpp"] + rel("csrc/cpu/*.cpp")  # schemas.cpp: every op's schema
     # No -std here: torch.utils.cpp_extension adds the standard its headers need (and nvcc accepts one only).
     cxx = ["-O3", "-fopenmp"]
     kwargs = dict(extra_link_args=["-fopenmp"])

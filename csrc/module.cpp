@@ -1,5 +1,5 @@
-// The Python module `compactionrl_fast._C`. Ops register themselves with the dispatcher from their own
-// files (TORCH_LIBRARY_FRAGMENT / TORCH_LIBRARY_IMPL); importing this module loads them.
+// The Python module `compactionrl_fast._C`. The op schemas are defined in csrc/schemas.cpp (TORCH_LIBRARY)
+// and each device file registers its kernels (TORCH_LIBRARY_IMPL); importing this module loads them.
 #include <Python.h>
 
 static struct PyModuleDef crf_module = {PyModuleDef_HEAD_INIT, "_C", "compactionrl_fast C++/CUDA ops", -1, nullptr};

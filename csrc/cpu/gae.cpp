@@ -405,17 +405,6 @@ std::tuple<at::Tensor, at::Tensor> segment_gae_serial_cpu(const at::Tensor& rewa
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(compactionrl_fast, m) {
-  m.def(
-      "segment_gae(Tensor rewards, Tensor values, Tensor loss_mask, Tensor cu_seqlens, Tensor cu_segments, "
-      "Tensor? lam_seg, float gamma, float lam, int lam_mode, float alpha, int cross, float lam_critic, "
-      "Tensor? seg_start=None) -> (Tensor, Tensor)");
-  m.def(
-      "segment_gae_serial(Tensor rewards, Tensor values, Tensor loss_mask, Tensor cu_seqlens, Tensor cu_segments, "
-      "Tensor? lam_seg, float gamma, float lam, int lam_mode, float alpha, int cross, float lam_critic, "
-      "Tensor? seg_start=None) -> (Tensor, Tensor)");
-}
-
 TORCH_LIBRARY_IMPL(compactionrl_fast, CPU, m) {
   m.impl("segment_gae", [](const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& loss_mask,
                            const at::Tensor& cu_seqlens, const at::Tensor& cu_segments,

@@ -133,11 +133,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cpu(
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(compactionrl_fast, m) {
-  m.def(
-      "ppo_policy_loss(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor loss_mask, "
-      "Tensor? rollout_logprobs, Tensor? cu_seqlens, Tensor seg_scale, float clip_low, float clip_high, "
-      "float dual_clip, float tis_cap, bool need_grad) -> (Tensor, Tensor, Tensor)");
-}
-
 TORCH_LIBRARY_IMPL(compactionrl_fast, CPU, m) { m.impl("ppo_policy_loss", &ppo_policy_loss_cpu); }

@@ -37,6 +37,4 @@ at::Tensor segment_counts_cpu(const at::Tensor& loss_mask, const at::Tensor& cu_
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(compactionrl_fast, m) { m.def("segment_counts(Tensor loss_mask, Tensor cu_seqlens) -> Tensor"); }
-
 TORCH_LIBRARY_IMPL(compactionrl_fast, CPU, m) { m.impl("segment_counts", &segment_counts_cpu); }

@@ -103,10 +103,4 @@ at::Tensor segment_weights_cpu(const at::Tensor& loss_mask, const std::optional<
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(compactionrl_fast, m) {
-  m.def(
-      "segment_weights(Tensor loss_mask, Tensor? cu_seqlens, Tensor? cu_segments, int reduction, float den, "
-      "Tensor? den_t) -> Tensor");
-}
-
 TORCH_LIBRARY_IMPL(compactionrl_fast, CPU, m) { m.impl("segment_weights", &segment_weights_cpu); }

@@ -132,11 +132,6 @@ std::tuple<at::Tensor, at::Tensor> value_head_bwd_cpu(const at::Tensor& hidden, 
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(compactionrl_fast, m) {
-  m.def("value_head_fwd(Tensor hidden, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("value_head_bwd(Tensor hidden, Tensor weight, Tensor grad, bool need_dh, bool need_dw) -> (Tensor, Tensor)");
-}
-
 TORCH_LIBRARY_IMPL(compactionrl_fast, CPU, m) {
   m.impl("value_head_fwd", &value_head_fwd_cpu);
   m.impl("value_head_bwd", &value_head_bwd_cpu);

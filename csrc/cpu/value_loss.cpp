@@ -159,10 +159,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(compactionrl_fast, m) {
-  m.def(
-      "value_loss(Tensor values, Tensor old_values, Tensor returns, Tensor loss_mask, Tensor? cu_seqlens, "
-      "Tensor seg_scale, float clip, bool need_grad) -> (Tensor, Tensor, Tensor)");
-}
-
 TORCH_LIBRARY_IMPL(compactionrl_fast, CPU, m) { m.impl("value_loss", &value_loss_cpu); }

@@ -12,7 +12,7 @@ from compactionrl_fast.ops._alloc import empty
 
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
 
-N_PARTS = 8  # loss, tokens, clipped, dual, kl, ratio_max, (2 unused: keeps rows 32-byte aligned)
+N_PARTS = 8  # loss, tokens, clipped, dual, kl, ratio_max, log ratio, (1 unused: keeps rows 32-byte aligned)
 
 
 @triton.jit
@@ -87,6 +87,7 @@ def ppo_loss_fwd_kernel(logp, old, adv, roll, mask, cu, scale, grad, part, T, S,
     # tl.max may drop NaN on GPU: a NaN ratio of a trainable token is stored as NaN explicitly
     b_nan = tl.max((b_m & (b_r != b_r)).to(tl.int32), 0)
     tl.store(p_part + 5, tl.where(b_nan > 0, float("nan"), tl.max(tl.where(b_m, b_r, 0.0), 0)))
+    tl.store(p_part + 6, tl.sum(tl.where(b_m, b_x, 0.0), 0))
 
 
 def search_steps(S: int) -> int:
@@ -97,8 +98,8 @@ def search_steps(S: int) -> int:
 def ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale,
                  clip_low, clip_high, dual_clip, tis_cap, need_grad, BT=1024):
     """Fused forward. Tensors: float32 [T] (rollout_logprobs optional), bool [T], cu_seqlens [S+1] or None,
-    seg_scale float64 [S]. Returns (loss float32 [], metrics float32 [4] (clip_fraction,
-    dual_clip_fraction, approx_kl, ratio_max), grad float32 [T] (or [0] without need_grad))."""
+    seg_scale float64 [S]. Returns (loss float32 [], metrics float32 [5] (clip_fraction,
+    dual_clip_fraction, approx_kl, ratio_max, log_ratio), grad float32 [T] (or [0] without need_grad))."""
     T, device = logprobs.numel(), logprobs.device
     S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
     if S < 1 and T > 0:  # a shape check: the kernel would read seg_scale[0] of []
@@ -117,11 +118,11 @@ def ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs
 
 def reduce_partials(part):
     """The second pass: add the [n_blocks, 8] partials in block order (float64), make the metrics."""
-    tot = part[:, :5].double().sum(0)
+    tot = part[:, :7].double().sum(0)
     ratio_max = torch.cat([part.new_zeros(1), part[:, 5]]).max()
     n = tot[1]
     inv = torch.where(n > 0, 1.0 / torch.where(n > 0, n, 1.0), 0.0)
-    metrics = torch.stack([tot[2] * inv, tot[3] * inv, tot[4] * inv, ratio_max.double()]).float()
+    metrics = torch.stack([tot[2] * inv, tot[3] * inv, tot[4] * inv, ratio_max.double(), tot[6] * inv]).float()
     return tot[0].float(), metrics
 
 

@@ -5,12 +5,11 @@ rows share rollout ids (2-3 rows per rollout, rows of one rollout scattered thro
   op packed        the op on the batch already packed (padding removed, observation tokens kept, as `pack` does)
   adapter          the package's adapter (segment_gae_padded, verl `compaction` loss, OpenRLHF ValueLoss)
   adapter (pack)   the previous adapter path: packed_layout + pack/unpack around the op
-  masked loop      the padded per-step reverse GAE loop of verl/OpenRLHF/TRL (restated:
-                   compactionrl_fast/reference/gae.py masked_gae; verl 0.9 core_algos.compute_gae_advantage_return,
-                   OpenRLHF 0.11 experience_maker get_advantages_and_returns, TRL 1.12 ppo_trainer), one segment per row
-  naive masked     the plain torch masked clipped-PPO / value loss on [B, L] (verl 0.9 compute_policy_loss_vanilla +
-                   agg_loss token-mean; OpenRLHF ValueLoss), forward + backward
-"peer/adapter" is the peer row's time over the adapter's; "x op" is the op's time over the row's.
+  peers            verl, OpenRLHF, TRL, slime, torchrl on the same padded tensors (benchmarks/peers.py: the
+                   installed peer where importable, run with PYTHONPATH=build/peers after `make test-integrations`;
+                   else restated, the source file named there); they treat each row as its own episode
+"row/adapter" is the row's time over the adapter's (> 1: the adapter is faster); "x op" is the op's
+time over the row's.
 
     python -m benchmarks.bench_adapters [--quick] [--threads 1] [--json PATH]
 """
@@ -22,8 +21,8 @@ import torch
 
 import compactionrl_fast as crf
 from benchmarks import _harness as H
+from benchmarks import peers
 from compactionrl_fast.integrations import openrlhf, packed_layout, segment_gae_padded, verl
-from compactionrl_fast.reference.gae import masked_gae
 
 SHAPES = {"128x8192": (128, 8192), "16x65536": (16, 65536)}
 QUICK_SHAPES = {"32x1024": (32, 1024)}
@@ -55,20 +54,6 @@ def _old_gae_adapter(b, kw):
     return lay.unpack(adv), lay.unpack(ret)
 
 
-def _naive_policy_loss(logp, old, adv, mask, clip=0.2, dual=3.0):
-    ratio = torch.exp(logp - old)
-    l1, l2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - clip, 1 + clip)
-    l = torch.maximum(l1, l2)
-    l = torch.where(adv < 0, torch.minimum(l, -adv * dual), l)
-    return (l * mask).sum() / mask.sum()
-
-
-def _naive_value_loss(v, old, ret, mask, clip=0.2):
-    vc = old + (v - old).clamp(-clip, clip)
-    l = 0.5 * torch.maximum((v - ret) ** 2, (vc - ret) ** 2)
-    return (l * mask).sum() / mask.sum()
-
-
 def bench_shape(shape, B, L, compacted, budget_s):
     b = make_batch(B, L, compacted)
     T = B * L
@@ -85,12 +70,13 @@ def bench_shape(shape, B, L, compacted, budget_s):
                           config=cfg, budget_s=budget_s, nbytes=nbytes))
     rows.append(H.measure("adapter (pack)", lambda: _old_gae_adapter(b, kw), config=cfg, budget_s=budget_s,
                           nbytes=nbytes))
-    if not compacted:
-        rows.append(H.measure("masked loop", lambda: masked_gae(b["rew"], b["val"], b["mask"].float(), 1.0, 0.95),
-                              config=cfg, budget_s=budget_s, min_reps=1, warmup=1, memory=False, nbytes=nbytes))
+    mask_f = b["mask"].float()  # the peers' masks are float (verl subtracts it from 1)
+    for name, fn in peers.gae_rows():
+        loop = "chunked" not in name and "torchrl" not in name  # per-step Python loops: seconds per call
+        rows.append(H.measure(name, lambda fn=fn: fn(b["rew"], b["val"], mask_f, 1.0, 0.95), config=cfg,
+                              budget_s=budget_s, nbytes=nbytes, **(dict(min_reps=1, warmup=1, memory=False) if loop else {})))
 
     cfg = dict(shape=tag, op="policy loss fwd+bwd")
-    mask_f = b["mask"].float()
     lp_packed = lay.pack(b["logp"])
     old_p, adv_p = lay.pack(b["old"]), lay.pack(b["adv"])
 
@@ -105,14 +91,17 @@ def bench_shape(shape, B, L, compacted, budget_s):
                                                       {"clip_ratio": 0.2, "clip_ratio_c": 3.0})
         loss.backward()
 
-    def naive():
-        x = b["logp"].clone().requires_grad_()
-        _naive_policy_loss(x, b["old"], b["adv"], mask_f).backward()
+    def peer(fn):
+        def run():
+            x = b["logp"].clone().requires_grad_()
+            fn(x, b["old"], b["adv"], mask_f).backward()
+        return run
 
     nbytes = 17 * T
     rows.append(H.measure("op packed", op_packed, config=cfg, budget_s=budget_s, nbytes=nbytes))
     rows.append(H.measure("adapter", adapter, config=cfg, budget_s=budget_s, nbytes=nbytes))
-    rows.append(H.measure("naive masked", naive, config=cfg, budget_s=budget_s, nbytes=nbytes))
+    for name, fn in peers.policy_loss_rows():
+        rows.append(H.measure(name, peer(fn), config=cfg, budget_s=budget_s, nbytes=nbytes))
 
     cfg = dict(shape=tag, op="value loss fwd+bwd")
     vl = openrlhf.ValueLoss(0.2)
@@ -126,13 +115,10 @@ def bench_shape(shape, B, L, compacted, budget_s):
         x = b["logp"].clone().requires_grad_()
         vl(x, b["old"], b["adv"], b["mask"]).backward()
 
-    def v_naive():
-        x = b["logp"].clone().requires_grad_()
-        _naive_value_loss(x, b["old"], b["adv"], mask_f).backward()
-
     rows.append(H.measure("op packed", v_op_packed, config=cfg, budget_s=budget_s, nbytes=nbytes))
     rows.append(H.measure("adapter", v_adapter, config=cfg, budget_s=budget_s, nbytes=nbytes))
-    rows.append(H.measure("naive masked", v_naive, config=cfg, budget_s=budget_s, nbytes=nbytes))
+    for name, fn in peers.value_loss_rows():
+        rows.append(H.measure(name, peer(fn), config=cfg, budget_s=budget_s, nbytes=nbytes))
     for r in rows:
         r["group"] = f"{r['shape']} {r['op']}"
     return rows
@@ -163,7 +149,8 @@ def main(argv=None):
     notes = [f"{args.threads} thread(s); inputs float32; GAE gamma=1, lam=0.95, cross_segment='paper'",
              "peak MiB counts outputs and, for fwd+bwd rows, the gradient; [T] float32 = "
              f"{max(B * L for B, L in (QUICK_SHAPES if args.quick else SHAPES).values()) * 4 / 2**20:.0f} MiB",
-             "'masked loop' only on one-row-per-rollout batches (it has no notion of compacted rollouts)"]
+             "peers treat every row as its own episode (no compacted rollouts); per-step GAE loops: 1-3 reps, "
+             "no memory column"]
     H.report("trainer adapters (cpu)", rows, columns, env, notes, args.json)
     return rows
 

@@ -14,7 +14,8 @@ from compactionrl_fast.ops._alloc import empty
 
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
 
-N_PARTS = 8  # loss, tokens, clipped, dual, kl, ratio_max, (2 unused: keeps rows 32-byte aligned)
+N_PARTS = 8  # loss, tokens, clipped, dual, kl, ratio_max, log ratio, (1 unused: keeps rows 32-byte aligned)
+N_METRICS = 5  # clip_fraction, dual_clip_fraction, approx_kl, ratio_max, log_ratio
 FINISH_BLOCKS = 256  # partial rows the last program adds per step
 
 
@@ -68,11 +69,12 @@ def load_col(part, o_b, m_b, k):
 @triton.jit
 def ppo_finish(part, n_blocks, loss_out, metrics_out, FB: tl.constexpr):
     """Adds the [n_blocks, 8] partials (float64, FB blocks at a time in block order) and writes the loss
-    float32 [] and the metrics float32 [4]: as the float64 sums divided by the trainable tokens n (0 when
-    n == 0), ratio_max = max(0, block maxima) with a NaN block maximum kept."""
+    float32 [] and the metrics float32 [5] (clip_fraction, dual_clip_fraction, approx_kl, ratio_max,
+    log_ratio): the float64 sums divided by the trainable tokens n (0 when n == 0), ratio_max =
+    max(0, block maxima) with a NaN block maximum kept."""
     o_r = tl.arange(0, FB)
     s_loss = tl.zeros([1], tl.float64)
-    s_n, s_clip, s_dual, s_kl, r_max = s_loss, s_loss, s_loss, s_loss, s_loss
+    s_n, s_clip, s_dual, s_kl, s_lr, r_max = s_loss, s_loss, s_loss, s_loss, s_loss, s_loss
     has_nan = tl.zeros([1], tl.int32)
     for i in range(tl.cdiv(n_blocks, FB)):
         o_b = i * FB + o_r
@@ -82,6 +84,7 @@ def ppo_finish(part, n_blocks, loss_out, metrics_out, FB: tl.constexpr):
         s_clip += tl.sum(load_col(part, o_b, m_b, 2), 0)
         s_dual += tl.sum(load_col(part, o_b, m_b, 3), 0)
         s_kl += tl.sum(load_col(part, o_b, m_b, 4), 0)
+        s_lr += tl.sum(load_col(part, o_b, m_b, 6), 0)
         b_r = load_col(part, o_b, m_b, 5)
         has_nan = tl.maximum(has_nan, tl.max((b_r != b_r).to(tl.int32), 0))  # tl.max may drop a NaN
         r_max = tl.maximum(r_max, tl.max(b_r, 0))
@@ -92,6 +95,7 @@ def ppo_finish(part, n_blocks, loss_out, metrics_out, FB: tl.constexpr):
     tl.store(metrics_out + 1 + o1, (s_dual * inv).to(tl.float32))
     tl.store(metrics_out + 2 + o1, (s_kl * inv).to(tl.float32))
     tl.store(metrics_out + 3 + o1, tl.where(has_nan > 0, float("nan"), r_max).to(tl.float32))
+    tl.store(metrics_out + 4 + o1, (s_lr * inv).to(tl.float32))
 
 
 @triton.jit(do_not_specialize=["T", "S", "n_iter"])
@@ -136,6 +140,7 @@ def ppo_loss_fwd_kernel(logp, old, adv, roll, mask, cu, scale, grad, part, ticke
     # tl.max may drop NaN on GPU: a NaN ratio of a trainable token is stored as NaN explicitly
     b_nan = tl.max((b_m & (b_r != b_r)).to(tl.int32), 0)
     tl.store(p_part + 5, tl.where(b_nan > 0, float("nan"), tl.max(tl.where(b_m, b_r, 0.0), 0)))
+    tl.store(p_part + 6, tl.sum(tl.where(b_m, b_x, 0.0), 0))
     if last_program(ticket):
         ppo_finish(part, tl.num_programs(0), loss_out, metrics_out, FB)
 
@@ -148,8 +153,8 @@ def search_steps(S: int) -> int:
 def ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale,
                  clip_low, clip_high, dual_clip, tis_cap, need_grad, BT=1024):
     """Fused forward, one launch. Tensors: float32 [T] (rollout_logprobs optional), bool [T], cu_seqlens
-    [S+1] or None, seg_scale float64 [S]. Returns (loss float32 [], metrics float32 [4] (clip_fraction,
-    dual_clip_fraction, approx_kl, ratio_max), grad float32 [T] (or [0] without need_grad))."""
+    [S+1] or None, seg_scale float64 [S]. Returns (loss float32 [], metrics float32 [5] (clip_fraction,
+    dual_clip_fraction, approx_kl, ratio_max, log_ratio), grad float32 [T] (or [0] without need_grad))."""
     T, device = logprobs.numel(), logprobs.device
     S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
     if S < 1 and T > 0:  # a shape check: the kernel would read seg_scale[0] of []
@@ -157,8 +162,8 @@ def ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs
     n_blocks = triton.cdiv(T, BT)
     grad = empty(T if need_grad else 0, device=device)
     if n_blocks == 0:  # no tokens: loss and metrics 0
-        return torch.zeros((), device=device), torch.zeros(4, device=device), grad
-    loss, metrics = empty((), device=device), empty(4, device=device)
+        return torch.zeros((), device=device), torch.zeros(N_METRICS, device=device), grad
+    loss, metrics = empty((), device=device), empty(N_METRICS, device=device)
     part = empty(n_blocks, N_PARTS, device=device)
     ticket = torch.zeros(1, dtype=torch.int32, device=device)
     ppo_loss_fwd_kernel[(n_blocks,)](

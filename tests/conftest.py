@@ -44,16 +44,26 @@ def pytest_make_collect_report(collector):
 
 
 def _optional_missing(e):
-    return isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in OPTIONAL
+    """The optional package whose absence caused `e` (looked up through the exception's causes: transformers
+    re-raises a missing tokenizers as its own error), or None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        top = (getattr(e, "name", None) or "").split(".")[0] if isinstance(e, ModuleNotFoundError) else ""
+        if top in OPTIONAL:
+            return top
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _skip_if_optional_missing():
     """Hook body: a missing optional dependency skips the test instead of failing it."""
     try:
         return (yield)
-    except ModuleNotFoundError as e:
-        if _optional_missing(e):
-            pytest.skip(_skip_reason(e.name.split(".")[0]))
+    except Exception as e:
+        name = _optional_missing(e)
+        if name:
+            pytest.skip(_skip_reason(name))
         raise
 
 

@@ -44,8 +44,9 @@ def compute_advantages(rewards, values, padding_mask, padding_mask_p1, gamma, la
         (advantages [B, L], returns [B, L]) float32: advantages 0 on `padding_mask`, returns 0 on
         `padding_mask_p1`, as TRL's.
     """
-    steps = ~as_bool_mask("padding_mask_p1", padding_mask_p1)  # TRL's recurrence runs over these positions
-    response = ~as_bool_mask("padding_mask", padding_mask)
+    # TRL's recurrence runs over these positions
+    steps = torch.logical_not(as_bool_mask("padding_mask_p1", padding_mask_p1))
+    response = torch.logical_not(as_bool_mask("padding_mask", padding_mask))
     kw = dict(gamma=_number("gamma", gamma), lam=_number("lam", lam), lam_critic=None, cross_segment="paper")
     kw.update(gae_kwargs)
     adv, ret = segment_gae_padded(rewards, values, steps, rollout_ids, segment_index=segment_index, **kw)
@@ -58,7 +59,7 @@ def policy_loss(new_logprobs, logprobs, advantages, padding_mask, cliprange):
 
     `new_logprobs` [B, L] receives the gradient; `logprobs`, `advantages` [B, L]; `padding_mask` True on padding.
     """
-    keep = ~as_bool_mask("padding_mask", padding_mask)
+    keep = torch.logical_not(as_bool_mask("padding_mask", padding_mask))
     B, L = keep.shape
     clip = _number("cliprange", cliprange)
     with trusted_layout():  # the rows read in place
@@ -70,7 +71,7 @@ def policy_loss(new_logprobs, logprobs, advantages, padding_mask, cliprange):
 
 def value_loss(vpred, values, returns, padding_mask_p1, cliprange_value):
     """TRL's clipped value loss: (vf_loss, vf_clipfrac), 0.5 * token mean of max((v-R)^2, (v_clip-R)^2)."""
-    keep = ~as_bool_mask("padding_mask_p1", padding_mask_p1)
+    keep = torch.logical_not(as_bool_mask("padding_mask_p1", padding_mask_p1))
     B, L = keep.shape
     with trusted_layout():
         loss, m = _value_loss(flat("vpred", vpred, B, L), flat("values", values, B, L), flat("returns", returns, B, L),

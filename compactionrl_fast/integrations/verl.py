@@ -45,7 +45,7 @@ import torch
 
 from ..ops import ppo_policy_loss
 from ..ops._validate import trusted_layout
-from ._common import cfg_get, denominator_from, masked_mean, masked_whiten
+from ._common import cfg_get, denominator_from, masked_whiten
 from .layout import as_bool_mask, flat, row_table, segment_gae_padded
 
 ADV_ESTIMATOR = "compaction_gae"
@@ -183,11 +183,11 @@ def compute_policy_loss_compaction(old_log_prob, log_prob, advantages, response_
                                   dual_clip=float(dual), reduction=reduction, denominator=denom)
     if scale != 1.0:
         loss = loss * scale
-    with torch.no_grad():
-        k1 = masked_mean(old.float() - logp.detach().float(), m_flat)
-    metrics = {"actor/pg_clipfrac": m["clip_fraction"].item(), "actor/ppo_kl": k1.item(),
-               "actor/pg_clipfrac_lower": m["dual_clip_fraction"].item(), "actor/approx_kl": m["approx_kl"].item(),
-               "actor/ratio_max": m["ratio_max"].item()}
+    # verl's metrics are Python floats: one host read for all of them
+    clipfrac, log_ratio, lower, approx_kl, ratio_max = torch.stack(
+        [m["clip_fraction"], m["log_ratio"], m["dual_clip_fraction"], m["approx_kl"], m["ratio_max"]]).tolist()
+    metrics = {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": 0.0 - log_ratio, "actor/pg_clipfrac_lower": lower,
+               "actor/approx_kl": approx_kl, "actor/ratio_max": ratio_max}
     return loss, metrics
 
 

@@ -19,7 +19,7 @@ from . import _dispatch, _reduction
 from ._reduction import REDUCTIONS, check_denominator, check_layout, resolve_backend, segment_weights
 from ._validate import FLOAT_DTYPES, check_choice, check_float, check_tensor
 
-METRICS = ("clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_max")
+METRICS = ("clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_max", "log_ratio")
 INF = float("inf")
 NO_DUAL_CLIP = float(torch.finfo(torch.float32).max)  # -c*A stays finite or +-inf, never 0*inf = NaN
 
@@ -28,7 +28,7 @@ NO_DUAL_CLIP = float(torch.finfo(torch.float32).max)  # -c*A stays finite or +-i
 # Shared by the C++ op and the Triton op (same signature):
 #   (logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs?, cu_seqlens?, seg_scale [S] float64,
 #    clip_low, clip_high, dual_clip (float32 max: off), tis_cap (inf: no cap), need_grad)
-#   -> (loss [] float32, metrics [4] float32, grad [T] float32 or [0])
+#   -> (loss [] float32, metrics [5] float32 (METRICS order), grad [T] float32 or [0])
 
 
 def _fake(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale, clip_low,
@@ -89,7 +89,8 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, cu_seqlens
 
     Returns:
         (loss: float32 [], metrics: dict of float32 [] tensors "clip_fraction", "dual_clip_fraction",
-        "approx_kl" (mean of (ratio-1) - log ratio), "ratio_max", over this call's trainable tokens; 0
+        "approx_kl" (mean of (ratio-1) - log ratio), "ratio_max", "log_ratio" (mean of logprobs -
+        old_logprobs; verl's ppo_kl is its negative), over this call's trainable tokens; 0
         when there is none). A ratio past float32 (log-ratio > ~88.7) shows as inf in ratio_max and
         approx_kl (the float64 reference's value cast to float32); its token's loss is still exact when
         a clip binds or A = 0. A NaN on a trainable token makes the loss (and ratio_max, approx_kl for a

@@ -111,6 +111,7 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, cu_seqlens
         "dual_clip_fraction": dual[m].double().mean() if n else zero,
         "approx_kl": ((r - 1.0) - log_r).mean() if n else zero,
         "ratio_max": r.max() if n else zero,
+        "log_ratio": log_r.mean() if n else zero,
     }
     return loss, metrics
 

@@ -21,7 +21,7 @@
 namespace {
 
 // Per-block partial sums, in this order.
-enum { kLoss, kTokens, kClipped, kDual, kKl, kRatioMax, kParts };
+enum { kLoss, kTokens, kClipped, kDual, kKl, kLogRatio, kRatioMax, kParts };
 
 template <typename idx_t>
 struct Args {
@@ -38,7 +38,7 @@ struct Args {
 // Tokens [t0, t1) (at most kChunk) of one segment with reduction weight w; adds into p.
 template <typename idx_t, bool TIS, bool GRAD>
 CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
-  enum { L, K, N, C, D, R, NB };  // masked per-token loss, kl, 1, clipped, dual, ratio
+  enum { L, K, N, C, D, X, R, NB };  // masked per-token loss, kl, 1, clipped, dual, log ratio, ratio
   float buf[NB][crf::kChunk];
   const int64_t n = t1 - t0;
   const uint8_t* __restrict mask = reinterpret_cast<const uint8_t*>(a.mask) + t0;
@@ -67,6 +67,7 @@ CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w
     buf[N][i] = m ? 1.0f : 0.0f;
     buf[C][i] = m ? o.clipped : 0.0f;
     buf[D][i] = m ? o.dual : 0.0f;
+    buf[X][i] = m ? x : 0.0f;
     buf[R][i] = m ? o.ratio : 0.0f;
   }
   p[kLoss] += w * crf::lane_sum(buf[L], n);
@@ -75,6 +76,7 @@ CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w
   p[kTokens] += crf::lane_sum(buf[N], n);
   p[kClipped] += crf::lane_sum(buf[C], n);
   p[kDual] += crf::lane_sum(buf[D], n);
+  p[kLogRatio] += crf::lane_sum(buf[X], n);
   double rm = crf::lane_max(buf[R], n);
   // lane_max drops NaN; a NaN ratio of a trainable token makes its KL term NaN too, so only then look
   // for it (a NaN log-prob must show in ratio_max, as in the reference)
@@ -114,7 +116,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cpu(
   });
 
   // fixed-order reduction of the partials
-  double tot[kParts] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+  double tot[kParts] = {};
   const double* p = part.data_ptr<double>();
   for (int64_t b = 0; b < n_blocks; ++b, p += kParts) {
     for (int k = 0; k < kRatioMax; ++k) tot[k] += p[k];
@@ -122,12 +124,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cpu(
   }
   const double n = tot[kTokens], inv = n > 0 ? 1.0 / n : 0.0;
   at::Tensor loss = at::scalar_tensor(tot[kLoss], f32);
-  at::Tensor metrics = at::empty({4}, f32);
+  at::Tensor metrics = at::empty({5}, f32);
   float* m = metrics.data_ptr<float>();
   m[0] = (float)(tot[kClipped] * inv);  // clip_fraction
   m[1] = (float)(tot[kDual] * inv);     // dual_clip_fraction
   m[2] = (float)(tot[kKl] * inv);       // approx_kl
   m[3] = (float)tot[kRatioMax];         // ratio_max (0 without trainable tokens)
+  m[4] = (float)(tot[kLogRatio] * inv);  // log_ratio (mean of logp - old)
   return {loss, metrics, grad};
 }
 

@@ -26,7 +26,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cuda(
   auto f32 = logprobs.options();
   at::Tensor grad = crf::grad_output(need_grad, T, f32);
   at::Tensor part = at::empty({K::n_blocks(T), K::kParts}, f32);
-  at::Tensor loss = at::empty({}, f32), metrics = at::empty({4}, f32);
+  at::Tensor loss = at::empty({}, f32), metrics = at::empty({5}, f32);
   K::Params p{logprobs.data_ptr<float>(), old_logprobs.data_ptr<float>(), advantages.data_ptr<float>(),
               rollout_logprobs ? rollout_logprobs->data_ptr<float>() : nullptr, loss_mask.data_ptr<bool>(),
               cu_seqlens ? cu_seqlens->data_ptr() : nullptr, seg_scale.data_ptr<double>(), S, T,

@@ -17,7 +17,7 @@ namespace ppo_cuda {
 constexpr int kThreads = CRF_LOSS_THREADS;  // a power of two
 constexpr int kItems = CRF_LOSS_ITEMS;                     // tokens per thread
 constexpr int kTile = kThreads * kItems;      // tokens per block
-constexpr int kParts = 8;                     // loss, tokens, clipped, dual, kl, ratio_max, 2 unused
+constexpr int kParts = 8;                     // loss, tokens, clipped, dual, kl, ratio_max, log ratio, 1 unused
 
 struct Params {
   const float *logp, *old, *adv, *roll;  // [T]; roll may be null
@@ -29,7 +29,7 @@ struct Params {
   float* grad;     // [T] or null
   float* part;     // [n_blocks, kParts]
   float* loss;     // []
-  float* metrics;  // [4]
+  float* metrics;  // [5]
 };
 
 // Fixed-order block reductions through shared memory (a tree over the thread index).
@@ -59,7 +59,7 @@ template <typename idx_t, bool TIS>
 __global__ void __launch_bounds__(kThreads) ppo_loss_block_kernel(Params p) {
   __shared__ float smem[kThreads];
   const idx_t* cu = static_cast<const idx_t*>(p.cu);
-  float loss = 0.f, n = 0.f, nc = 0.f, nd = 0.f, kl = 0.f, rmax = 0.f;
+  float loss = 0.f, n = 0.f, nc = 0.f, nd = 0.f, kl = 0.f, lr = 0.f, rmax = 0.f;
   const int64_t base = (int64_t)blockIdx.x * kTile;
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(kThreads) ppo_loss_block_kernel(Params p) {
     nc += m ? o.clipped : 0.f;
     nd += m ? o.dual : 0.f;
     kl += m ? kl_term(x, o.ratio) : 0.f;
+    lr += m ? x : 0.f;
     rmax = m ? nan_max(o.ratio, rmax) : rmax;
   }
   float* out = p.part + (int64_t)blockIdx.x * kParts;
@@ -95,22 +96,26 @@ __global__ void __launch_bounds__(kThreads) ppo_loss_block_kernel(Params p) {
   }
   const float mx = block_reduce(rmax, smem, Max());
   if (threadIdx.x == 0) out[5] = mx;
+  const float slr = block_reduce(lr, smem, Add());
+  if (threadIdx.x == 0) out[6] = slr;
 }
 
 // One block: thread i adds partial rows i, i + kThreads, ... in order (double), then a fixed tree.
 __global__ void __launch_bounds__(kThreads) ppo_loss_reduce_kernel(const float* part, int64_t n_blocks, float* loss,
                                                                    float* metrics) {
   __shared__ double smem[kThreads];
-  double acc[6] = {0, 0, 0, 0, 0, 0};
+  double acc[7] = {0, 0, 0, 0, 0, 0, 0};
   for (int64_t b = threadIdx.x; b < n_blocks; b += kThreads) {
 #pragma unroll
     for (int k = 0; k < 5; ++k) acc[k] += part[b * kParts + k];
     acc[5] = Max()(acc[5], (double)part[b * kParts + 5]);
+    acc[6] += part[b * kParts + 6];
   }
-  double tot[6];
+  double tot[7];
 #pragma unroll
   for (int k = 0; k < 5; ++k) tot[k] = block_reduce(acc[k], smem, Add());
   tot[5] = block_reduce(acc[5], smem, Max());
+  tot[6] = block_reduce(acc[6], smem, Add());
   if (threadIdx.x == 0) {
     const double inv = tot[1] > 0 ? 1.0 / tot[1] : 0.0;
     *loss = (float)tot[0];
@@ -118,6 +123,7 @@ __global__ void __launch_bounds__(kThreads) ppo_loss_reduce_kernel(const float* 
     metrics[1] = (float)(tot[3] * inv);  // dual_clip_fraction
     metrics[2] = (float)(tot[4] * inv);  // approx_kl
     metrics[3] = (float)tot[5];          // ratio_max
+    metrics[4] = (float)(tot[6] * inv);  // log_ratio
   }
 }
 

@@ -113,3 +113,70 @@ def test_openrlhf_and_trl_losses_read_rows_in_place():
     pl, pc = trl.policy_loss(logp, old, adv, ~mask, 0.2)
     v2, vc = trl.value_loss(logp, old, adv, ~mask, 0.2)
     assert pl == pl and v2 == v2 and pc == pc and vc == vc
+
+
+# ---------------------------------------------------------------- CUDA: no host sync, <= 2 launches added
+
+# ops that launch nothing on a GPU: views, detach, and the host->device copies of the cached row table
+_NOT_LAUNCHES = ("aten.view", "aten._unsafe_view", "aten.detach", "aten.lift_fresh", "aten.unbind", "aten.alias",
+                 "aten.reshape", "aten.as_strided")
+
+
+def _launches(fn):
+    """(kernel launches, op names) that `fn` dispatches: every aten/custom op but views and the like."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if not name.startswith("prim.") and not name.startswith(_NOT_LAUNCHES):
+                self.ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    c = Count()
+    with c:
+        fn()
+    return sum(c.ops.values()), dict(c.ops)
+
+
+@pytest.mark.skipif(not crf.ops._dispatch.has_triton(), reason="the CUDA default backend is triton")
+def test_adapters_add_no_host_sync_and_at_most_two_launches_on_cuda():
+    """On fake CUDA tensors (a host read of device data raises), each adapter, on a batch whose row table is
+    cached, launches at most 2 kernels more than its op on the flattened batch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    B, L, ids = 4, 16, [7, 3, 7, 5]
+    with FakeTensorMode():
+        dev = "cuda"
+        rew, val, old = (torch.zeros(B, L, device=dev) for _ in range(3))
+        mask = torch.ones(B, L, dtype=torch.bool, device=dev)
+        mask_f, pad = mask.float(), torch.zeros(B, L, dtype=torch.bool, device=dev)  # pad: TRL's padding mask
+        m, cu = mask.reshape(-1), torch.arange(0, B * L + 1, L, device=dev)
+        cs = torch.tensor([0, 2, 3, 4], device=dev)
+        ops = {
+            "gae": lambda: crf.segment_gae(rew.reshape(-1), val.reshape(-1), m, cu, cs),
+            "value": lambda: crf.value_loss(val.reshape(-1), old.reshape(-1), rew.reshape(-1), m, clip=0.2),
+            "policy": lambda: crf.ppo_policy_loss(val.reshape(-1), old.reshape(-1), rew.reshape(-1), m, clip_low=0.2,
+                                                  clip_high=0.2),
+        }
+        adapters = [
+            ("gae", "segment_gae_padded", lambda: segment_gae_padded(rew, val, mask, ids)),
+            ("gae", "verl compaction_gae", lambda: verl.compute_compaction_gae(rew, mask_f, values=val, index=ids,
+                                                                                config={})),
+            ("gae", "openrlhf", lambda: openrlhf.get_advantages_and_returns(val, rew, mask_f, 1.0, 0.95,
+                                                                            rollout_ids=ids)),
+            ("value", "openrlhf ValueLoss", lambda: openrlhf.ValueLoss(0.2)(val, old, rew, mask)),
+            ("value", "trl value_loss", lambda: trl.value_loss(val, old, rew, pad, 0.2)),
+            ("policy", "trl policy_loss", lambda: trl.policy_loss(val, old, rew, pad, 0.2)),
+        ]
+        base = {k: _launches(f)[0] for k, f in ops.items()}
+        for op, name, fn in adapters:
+            fn()  # builds and caches the row table (host work and host->device copies)
+            n, seen = _launches(fn)
+            assert n <= base[op] + 2, f"{name}: {n} launches > {base[op]} of the op + 2: {seen}"

@@ -67,7 +67,7 @@ def route_cpp_to_cuda_host(monkeypatch, lib):
     def ppo_policy_loss(logp, old, adv, mask, roll, cu, scale, clip_low, clip_high, dual_clip, tis_cap, need_grad):
         T = logp.numel()
         check_segments(T, cu)
-        grad, loss, metrics = empty(T if need_grad else 0), empty(()), empty(4)
+        grad, loss, metrics = empty(T if need_grad else 0), empty(()), empty(5)  # METRICS of ops/ppo_loss.py
         lib.crf_ppo_loss_host(_ptr(logp), _ptr(old), _ptr(adv), _ptr(roll), _ptr(mask), _ptr(cu),
                               int(cu is not None and cu.dtype == torch.int64), _ptr(scale), scale.numel(), T,
                               clip_low, clip_high, dual_clip, tis_cap, _ptr(grad), _ptr(loss), _ptr(metrics))

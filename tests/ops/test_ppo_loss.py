@@ -74,6 +74,11 @@ def check_against_reference(backend, b, x, clip, **kw):
     for k in ("clip_fraction", "dual_clip_fraction", "ratio_max"):
         torch.testing.assert_close(m[k].double(), rm[k], rtol=1e-6, atol=0, msg=k)
     torch.testing.assert_close(m["approx_kl"].double(), rm["approx_kl"], rtol=1e-5, atol=1e-9)
+    # float32 log ratios: each rounds relative to |logprobs| + |old_logprobs|
+    mk = b["loss_mask"]
+    mag = float((x["logprobs"].abs() + x["old_logprobs"].abs())[mk].double().mean()) if mk.any() else 0.0
+    torch.testing.assert_close(m["log_ratio"].double(), rm["log_ratio"], rtol=1e-5, atol=1e-6 * mag + 1e-12)
+    assert set(m) == set(rm)
     for v in m.values():
         assert v.shape == () and v.dtype == torch.float32
 
@@ -99,6 +104,7 @@ def test_reference_hand_computed():
     torch.testing.assert_close(m["ratio_max"], r[4])
     kl = ((r - 1) - lp.detach())[mask].mean()
     torch.testing.assert_close(m["approx_kl"], kl)
+    torch.testing.assert_close(m["log_ratio"], lp.detach()[mask].mean())
     # truncated importance weight: min(exp(old - rollout), cap) scales each token's loss
     roll = torch.tensor([0.0, 0.0, 0.0, 0.0, -1.0], dtype=torch.float64)
     loss_tis, _ = ref.ppo_policy_loss(lp.detach(), old, adv, mask, dual_clip=3.0, rollout_logprobs=roll, tis_cap=2.0)

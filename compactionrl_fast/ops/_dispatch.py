@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 
 import torch
@@ -29,13 +30,12 @@ def has_cuda_ext() -> bool:
     return bool(ext is not None and getattr(ext, "WITH_CUDA", 0))
 
 
-@functools.lru_cache(None)
+# found without importing triton (imports stay lazy); a plain constant, so torch.compile reads it without tracing
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _HAS_TRITON
 
 
 def triton_interpret() -> bool:

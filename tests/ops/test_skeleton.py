@@ -441,3 +441,36 @@ def test_loss_triton_launch_count(monkeypatch, loss, reduction, layout, den, wan
     torch.testing.assert_close(got.double(), want_loss, rtol=1e-5, atol=1e-7)
     for k, v in m.items():
         torch.testing.assert_close(v.double(), want_m[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("backend", [b for b in ("cpp", "triton") if b in _dispatch.available(torch.device("cpu"))])
+def test_value_ops_compile_fullgraph_forward_and_backward(backend):
+    """value_loss, value_head and value_head_loss (and global_token_count as a tensor) trace into one graph,
+    forward and backward, and give the eager numbers."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    T, H = 40, 8
+    hidden = torch.randn(T, H, generator=g)
+    w, b = torch.randn(H, generator=g), torch.randn(1, generator=g)
+    old, ret = torch.randn(T, generator=g), torch.randn(T, generator=g)
+    mask = torch.rand(T, generator=g) > 0.3
+    cu = torch.tensor([0, 7, 7, 25, T])
+
+    def step(hidden, w, b, old, ret, mask, cu):
+        den = crf.global_token_count(mask, as_tensor=True)
+        v = crf.value_head(hidden, w, b, backend=backend)
+        l1, m1 = crf.value_loss(v, old, ret, mask, cu_seqlens=cu, clip=0.2, reduction="segment-mean",
+                                backend=backend)
+        l2, m2 = crf.value_head_loss(hidden, w, b, old, ret, mask, clip=0.2, denominator=den, backend=backend)
+        return l1 + l2, m1["explained_variance"], m2["clip_fraction"]
+
+    def run(fn):
+        leaves = [x.clone().requires_grad_() for x in (hidden, w, b)]
+        out = fn(*leaves, old, ret, mask, cu)
+        out[0].backward()
+        return [o.detach() for o in out] + [x.grad for x in leaves]
+
+    want = run(step)
+    got = run(torch.compile(step, fullgraph=True, backend="aot_eager"))
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-7)

@@ -298,13 +298,11 @@ def test_unreadable_files_say_why(tmp_path, monkeypatch):
         torch.save({"x": _Evil()}, path)
         checkpoint.read(path)
 
-    def fail(*a, **k):
-        raise OSError()  # an exception without a message
-
     _save_tiny(tmp_path)
-    monkeypatch.setattr(checkpoint.torch, "load", fail)
-    with pytest.raises(CorruptCheckpointError, match=f"{path} cannot be read safely .*OSError"):
-        checkpoint.read(path)
+    for err, tail in ((OSError("disk went away\nsecond line"), "OSError: disk went away$"), (OSError(), "OSError: $")):
+        monkeypatch.setattr(checkpoint.torch, "load", lambda *a, err=err, **k: (_ for _ in ()).throw(err))
+        with pytest.raises(CorruptCheckpointError, match=f"{path} cannot be read safely .*{tail}"):
+            checkpoint.read(path)  # the cause's first line only (or nothing when it has no message)
 
 
 def test_wrong_format_or_non_plain_data_is_refused(tmp_path):

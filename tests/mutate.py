@@ -26,7 +26,7 @@ MODULES = {
     # the oracles: their own closed-form tests (tests/ops compare every backend with them, but take minutes per
     # surviving mutant here)
     "reference/gae": ["tests/reference/test_gae_oracle.py"],
-    "reference/losses": ["tests/ops/test_ppo_loss.py", "tests/ops/test_value_loss.py", "tests/ops/test_value_head.py"],
+    "reference/losses": ["tests/reference/test_loss_oracles.py"],
     "ops/gae": ["tests/ops/test_gae.py", "tests/ops/test_skeleton.py"],
     "ops/_reduction": ["tests/ops/test_ppo_loss.py", "tests/ops/test_value_loss.py", "tests/ops/test_skeleton.py",
                        "tests/test_distributed.py"],

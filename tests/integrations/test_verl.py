@@ -345,7 +345,8 @@ def test_adapter_errors_name_the_argument():
     r, v, m = _one_segment_batch()
     with pytest.raises(ValueError, match="^response_mask must hold only 0 and 1"):
         V.compute_compaction_gae(r, m * 2, values=v)
-    with pytest.raises(ValueError, match="needs the critic's values"):
+    with pytest.raises(ValueError, match=r"^compaction_gae needs the critic's values.*patch_compute_advantage\(\) "
+                                         r"\(and set critic.enable=True\)$"):
         V.compute_compaction_gae(r, m)
 
 

@@ -150,3 +150,36 @@ def test_masked_gae_is_the_per_row_oracle():
         torch.testing.assert_close(adv[b, pos], _t(want), rtol=1e-12, atol=1e-12)
     assert not adv[~mask].any() and not ret[~mask].any()
     torch.testing.assert_close(ret[mask], (adv + v)[mask])
+
+
+@pytest.mark.parametrize("mode", ["paper", "none", "stitched"])
+def test_per_segment_lambdas_reach_their_own_tokens(mode):
+    """A different lambda per segment (a tensor, or adaptive per segment length): each token's recurrence
+    uses its own segment's lambda, in every rollout (not only the first)."""
+    gamma = 0.9
+    for lam, kw in ((_t([0.5, 0.6, 0.7]), {}), ("adaptive", {"adaptive_length": "segment"})):
+        lams = [0.5, 0.6, 0.7] if kw == {} else [1 - 1 / (1.5 * k) for k in (3, 2, 2)]
+        adv, _ = G.segment_gae(R, V, MASK, CU, CS, gamma=gamma, lam=lam, cross_segment=mode, lam_critic=None, **kw)
+        groups = [(SEG_POS[0] + SEG_POS[1], [0, 0, 0, 1, 1]), (SEG_POS[2], [2, 2])] if mode == "stitched" else \
+            [(p, [s] * len(p)) for s, p in enumerate(SEG_POS)]
+        want = torch.zeros(9, dtype=torch.float64)
+        for g, segs in groups:  # the recurrence A_k = delta_k + gamma * lam_k * A_{k+1}, unrolled by hand
+            d = [float(R[p]) + gamma * (float(V[g[i + 1]]) if i + 1 < len(g) else 0.0) - float(V[p])
+                 for i, p in enumerate(g)]
+            for i, p in enumerate(g):
+                want[p] = sum(math.prod(gamma * lams[segs[j]] for j in range(i, k)) * d[k] for k in range(i, len(g)))
+        if mode == "paper":
+            want[SEG_POS[0]] *= (gamma * lams[0]) ** 2
+        torch.testing.assert_close(adv, want, rtol=1e-12, atol=1e-12)
+
+
+def test_segment_params_defaults_and_adaptive_length():
+    lam0, lam1 = 1 - 1 / 7.5, 1 - 1 / 3.0  # adaptive, alpha 1.5, rollout lengths 5 and 2
+    p = G.segment_params(MASK, CU, CS)  # gamma 1, paper, lam_critic 1
+    torch.testing.assert_close(p, _t([[lam0, lam0, lam1], [1.0] * 3, [lam0 ** 2, 1.0, 1.0], [1.0] * 3]))
+    p = G.segment_params(MASK, CU, CS, adaptive_length="segment", adaptive_alpha=2.0)
+    assert p[0].tolist() == pytest.approx([1 - 1 / 6, 1 - 1 / 4, 1 - 1 / 4])
+
+
+def test_adaptive_lambda_is_clamped_for_any_alpha():
+    assert G.adaptive_lambda(2, -1.0) == 1.0 and G.adaptive_lambda(2, 1e-9) == 0.0

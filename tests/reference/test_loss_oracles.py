@@ -132,3 +132,72 @@ def test_value_head_and_padded_formulations():
     mat, mask = _t([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]]), _t([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     assert Lo.padded_token_mean(mat, mask).item() == pytest.approx(7 / 3)
     assert Lo.padded_seq_mean_token_mean(mat, mask).item() == pytest.approx((1.5 + 4.0) / 2)
+
+
+def test_token_weights_edges():
+    q, h = 0.25, 0.5
+    m = _t([True, False, True, False, True], torch.bool)
+    # token-mean ignores the segments; segment-mean ignores the rollouts
+    assert Lo.token_weights(M, CU).tolist() == pytest.approx([0, 1 / 3, 1 / 3, 0, 1 / 3])
+    assert Lo.token_weights(M, CU, _t([0, 2], torch.int64), "segment-mean").tolist() == pytest.approx([0, q, q, 0, h])
+    assert Lo.token_weights(M, denominator=4).tolist() == [0, q, q, 0, q]  # the default reduction is token-mean
+    assert Lo.token_weights(m, reduction="segment-mean").tolist() == pytest.approx([1 / 3, 0, 1 / 3, 0, 1 / 3])
+    # empty rollouts first and last (one with no segment past the end) count for nothing
+    w = Lo.token_weights(m, CU, _t([0, 0, 1, 2, 2], torch.int64), "rollout-mean")
+    assert w.tolist() == pytest.approx([q, 0, q, 0, h])
+
+
+def test_dual_clip_tie_keeps_the_unclipped_branch():
+    lp = _t([1.0]).requires_grad_()
+    c = float(torch.exp(_t(1.0)))  # ratio == dual_clip exactly
+    loss, _, _, dual = Lo.ppo_token_losses(lp, _t([0.0]), _t([-1.0]), dual_clip=c)
+    assert not dual.any() and loss.item() == c
+    (g,) = torch.autograd.grad(loss.sum(), lp)
+    assert g.item() == pytest.approx(c)  # d(-A * ratio)/dlp, not the constant l3's 0
+
+
+def test_ppo_policy_loss_passes_every_option():
+    m = _t([True, True, True, True], torch.bool)
+    tok, *_ = Lo.ppo_token_losses(LP, OLD, ADV, clip_low=0.1, clip_high=0.5)
+    loss, _ = Lo.ppo_policy_loss(LP, OLD, ADV, m, clip_low=0.1, clip_high=0.5)
+    assert loss.item() == pytest.approx(tok.mean().item())
+    cu = _t([0, 1, 4], torch.int64)
+    tok, *_ = Lo.ppo_token_losses(LP, OLD, ADV)
+    loss, _ = Lo.ppo_policy_loss(LP, OLD, ADV, m, cu_seqlens=cu)  # default: token-mean over the batch
+    assert loss.item() == pytest.approx(tok.mean().item())
+    loss, _ = Lo.ppo_policy_loss(LP, OLD, ADV, m, cu_seqlens=cu, cu_segments=_t([0, 2], torch.int64),
+                                 reduction="rollout-mean")
+    assert loss.item() == pytest.approx(tok.mean().item())  # one rollout of 4 tokens
+    loss, met = Lo.ppo_policy_loss(LP, OLD, ADV, torch.zeros(4, dtype=torch.bool))
+    assert {k: v.dtype for k, v in met.items()} == dict.fromkeys(
+        ["clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_max"], torch.float64)
+
+
+def test_value_clip_edges():
+    # the lower clip binds: v_clip = old - clip
+    loss, clipped = Lo.value_token_losses(_t([0.2]), _t([1.0]), _t([0.0]), clip=0.5)
+    assert loss.item() == pytest.approx(0.125) and clipped.tolist() == [True]
+    assert Lo.value_token_losses(_t([0.2]), _t([1.0]), _t([0.0]))[1].dtype == torch.bool
+    # |v - old| == clip exactly: v itself, although old + (v - old) rounds to another number here
+    v, old = _t([3.2230769230769227]), _t([0.5428571428571429])
+    d = float(v - old)
+    assert float(old + d) != float(v)
+    loss, clipped = Lo.value_token_losses(v, old, _t([0.0]), clip=d)
+    assert not clipped.any() and loss.item() == 0.5 * float(v) ** 2
+
+
+def test_value_loss_passes_every_option():
+    v, old, ret = _t([1.0, 0.2, 2.0, 1.2]), _t([0.0, 1.0, 1.0, 1.0]), _t([0.0, 1.5, 2.0, 1.0])
+    m = _t([True] * 4, torch.bool)
+    tok, _ = Lo.value_token_losses(v, old, ret)
+    cu = _t([0, 1, 4], torch.int64)
+    assert Lo.value_loss(v, old, ret, m, cu_seqlens=cu)[0].item() == pytest.approx(tok.mean().item())
+    seg = Lo.value_loss(v, old, ret, m, cu_seqlens=cu, reduction="segment-mean")[0].item()
+    assert seg == pytest.approx((tok[0] + tok[1:].mean()).item() / 2)
+    roll = Lo.value_loss(v, old, ret, m, cu_seqlens=cu, cu_segments=_t([0, 2], torch.int64),
+                         reduction="rollout-mean")[0].item()
+    assert roll == pytest.approx(tok.mean().item())
+    assert Lo.value_loss(v, old, ret, m, denominator=8.0)[0].item() == pytest.approx(tok.sum().item() / 8)
+    _, met = Lo.value_loss(v, old, ret, torch.zeros(4, dtype=torch.bool))
+    assert {k: x.dtype for k, x in met.items()} == dict.fromkeys(
+        ["clip_fraction", "value_mean", "explained_variance"], torch.float64)

@@ -33,6 +33,10 @@ MODULES = {
     "integrations/layout": ["tests/integrations/test_layout.py", "tests/integrations/test_padded.py"],
     "integrations/verl": ["tests/integrations/test_verl.py"],
     "train/checkpoint": ["tests/train/test_checkpoint.py", "tests/train/test_io.py"],
+    # without test_faults.py and test_smoke.py: they train in subprocesses (mutants are not visible there)
+    # and take a minute
+    "train/trainer": ["tests/train/test_trainer.py", "tests/train/test_checkpoint.py", "tests/train/test_config.py",
+                      "tests/train/test_diagnostics.py"],
 }
 
 

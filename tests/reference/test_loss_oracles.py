@@ -182,8 +182,8 @@ def test_value_clip_edges():
     v, old = _t([3.2230769230769227]), _t([0.5428571428571429])
     d = float(v - old)
     assert float(old + d) != float(v)
-    loss, clipped = Lo.value_token_losses(v, old, _t([10.0]), clip=d)  # old + d < v: farther from 10
-    assert not clipped.any() and loss.item() == 0.5 * (float(v) - 10.0) ** 2
+    loss, clipped = Lo.value_token_losses(v, old, _t([3.3]), clip=d)  # old + d < v: farther from 3.3
+    assert not clipped.any() and loss.item() == 0.5 * (float(v) - 3.3) ** 2
 
 
 def test_value_loss_passes_every_option():

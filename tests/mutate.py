@@ -23,14 +23,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # module (path under compactionrl_fast/) -> the tests that exercise it
 MODULES = {
     "packing": ["tests/rollout/test_packing.py", "tests/rollout/test_errors.py"],
-    "reference/gae": ["tests/ops/test_gae.py", "tests/ops/test_skeleton.py"],
-    "reference/losses": ["tests/ops/test_ppo_loss.py", "tests/ops/test_value_loss.py", "tests/ops/test_value_head.py"],
+    # the oracles: their own closed-form tests (tests/ops compare every backend with them, but take minutes per
+    # surviving mutant here)
+    "reference/gae": ["tests/reference/test_gae_oracle.py"],
+    "reference/losses": ["tests/reference/test_loss_oracles.py"],
     "ops/gae": ["tests/ops/test_gae.py", "tests/ops/test_skeleton.py"],
     "ops/_reduction": ["tests/ops/test_ppo_loss.py", "tests/ops/test_value_loss.py", "tests/ops/test_skeleton.py",
                        "tests/test_distributed.py"],
     "integrations/layout": ["tests/integrations/test_layout.py", "tests/integrations/test_padded.py"],
     "integrations/verl": ["tests/integrations/test_verl.py"],
     "train/checkpoint": ["tests/train/test_checkpoint.py", "tests/train/test_io.py"],
+    # without test_faults.py and test_smoke.py: they train in subprocesses (mutants are not visible there)
+    # and take a minute
+    "train/trainer": ["tests/train/test_trainer.py", "tests/train/test_checkpoint.py", "tests/train/test_config.py",
+                      "tests/train/test_diagnostics.py"],
 }
 
 

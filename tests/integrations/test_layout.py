@@ -126,3 +126,104 @@ def test_docstring_examples():
     from compactionrl_fast.integrations import layout
 
     assert doctest.testmod(layout, optionflags=doctest.NORMALIZE_WHITESPACE).failed == 0
+
+
+def test_bad_inputs_name_the_argument_exactly():
+    """Each check names its own argument (the messages above only need to contain the name)."""
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="response_mask must hold only 0 and 1"):
+        packed_layout(torch.full((2, 3), 2))
+    with pytest.raises(ValueError, match="response_mask must be 2-D"):
+        segment_gae_padded(torch.zeros(3), torch.zeros(3), torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="rollout_ids must have one entry per row"):
+        packed_layout(mask, rollout_ids=[0])
+    with pytest.raises(ValueError, match=r"rollout_ids must be 1-D \[B\], got shape \(2, 1\)"):
+        packed_layout(mask, rollout_ids=torch.zeros(2, 1))
+    with pytest.raises(ValueError, match="segment_index must have one entry per row"):
+        packed_layout(mask, segment_index=[0])
+    with pytest.raises(TypeError, match="^segment_index must hold integers$"):
+        packed_layout(mask, segment_index=[0.5, 1.0])
+    with pytest.raises(TypeError, match="^segment_index must hold integers$"):  # unhashable: not cached either
+        crf.integrations.layout.row_table(2, 3, segment_index=[[0], [1]])
+    with pytest.raises(TypeError, match="keep must have dtype"):
+        packed_layout(mask, keep=torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"keep must have the shape of response_mask \(2, 3\), got \(2, 4\)"):
+        packed_layout(mask, keep=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="^keep must include every trainable token"):
+        packed_layout(mask, keep=torch.zeros(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="keep is on meta"):
+        packed_layout(mask, keep=torch.ones(2, 3, dtype=torch.bool, device="meta"))
+    for name in ("token_rewards", "values"):
+        args = {"token_rewards": torch.zeros(2, 3), "values": torch.zeros(2, 3)}
+        args[name] = torch.zeros(3, 2)
+        with pytest.raises(ValueError, match=rf"{name} must have shape \[B, L\] = \[2, 3\] .*got \(3, 2\)"):
+            segment_gae_padded(args["token_rewards"], args["values"], mask)
+        args[name] = [[0.0] * 3] * 2
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor"):
+            segment_gae_padded(args["token_rewards"], args["values"], mask)
+    lay = packed_layout(mask)
+    with pytest.raises(ValueError, match=r"^x must have shape"):
+        lay.pack(torch.zeros(3, 2))
+    with pytest.raises(TypeError, match="^values must be a torch.Tensor"):
+        lay.pack([[0.0] * 3] * 2, "values")
+    with pytest.raises(ValueError, match="^x is on meta"):
+        lay.pack(torch.zeros(2, 3, device="meta"))
+    with pytest.raises(ValueError, match=r"^y must have 6 packed tokens"):
+        lay.unpack(torch.zeros(5))
+    with pytest.raises(TypeError, match="^adv must be a torch.Tensor"):
+        lay.unpack([0.0] * 6, name="adv")
+    with pytest.raises(ValueError, match="^y is on meta"):
+        lay.unpack(torch.zeros(6, device="meta"))
+
+
+def test_pack_unpack_keep_trailing_dims_and_numpy_ids():
+    import numpy as np
+
+    mask = torch.tensor([[1, 0, 1], [0, 1, 1]], dtype=torch.bool)
+    lay = packed_layout(mask, rollout_ids=np.array(["a", "a"], dtype=object), segment_index=np.array([1, 0]))
+    assert lay.order.tolist() == [1, 0] and lay.cu_segments.tolist() == [0, 2]
+    x = torch.arange(2 * 3 * 4.0).view(2, 3, 4)  # [B, L, D], e.g. hidden states
+    packed = lay.pack(x)
+    assert packed.shape == (4, 4) and torch.equal(packed, x.reshape(6, 4)[[4, 5, 0, 2]])
+    back = lay.unpack(packed, fill=-1.0)
+    assert back.shape == (2, 3, 4) and torch.equal(back, torch.where(mask[..., None], x, -1.0))
+
+
+def test_empty_batch_layout():
+    lay = packed_layout(torch.zeros(0, 3, dtype=torch.bool))
+    assert lay.num_tokens == 0 and lay.cu_seqlens.tolist() == [0] and lay.cu_segments.tolist() == [0]
+    assert lay.order.dtype == lay.index.dtype == torch.int64
+
+
+def test_row_table_values_and_cache(monkeypatch):
+    import collections
+
+    import numpy as np
+
+    from compactionrl_fast.integrations import layout
+
+    monkeypatch.setattr(layout, "_TABLES", collections.OrderedDict())
+    t = layout.row_table(3, 4, ["a", "b", "a"])
+    assert t.order == (0, 2, 1) and t.cu_segments.tolist() == [0, 2, 3] and t.seg_start.tolist() == [0, 8, 4]
+    assert t.cu_seqlens.tolist() == t.rows.tolist() == [0, 4, 8, 12] and t.cu_segments.dtype == torch.int64
+    assert layout.row_table(3, 4, ["a", "b", "a"]) is t  # cached
+    ident = layout.row_table(3, 4, ["a", "a", "b"])
+    assert ident.order == (0, 1, 2) and ident.seg_start is None  # rows already in segment order
+    empty_rows = layout.row_table(2, 0)
+    assert empty_rows.cu_seqlens.tolist() == [0, 0, 0] and empty_rows.cu_seqlens.dtype == torch.int64
+    # the key covers everything the table depends on
+    assert layout.row_table(3, 4, ["a", "b", "a"], segment_index=[1, 0, 0]).order == (2, 0, 1)
+    meta = layout.row_table(3, 4, ["a", "b", "a"], device="meta")
+    assert {t.device.type for t in (meta.cu_seqlens, meta.cu_segments, meta.seg_start, meta.rows)} == {"meta"}
+    ids = torch.tensor([0, 1, 0])
+    assert layout.row_table(3, 4, ids).cu_segments.tolist() == [0, 2, 3]
+    ids[1] = 0  # changed in place: same object, new rollouts
+    assert layout.row_table(3, 4, ids).cu_segments.tolist() == [0, 3]
+    assert layout.row_table(3, 4, np.array([0, 1, 2])).cu_segments.tolist() == [0, 1, 2, 3]
+    assert layout.row_table(3, 4, np.array([0, 0, 0])).cu_segments.tolist() == [0, 3]
+    # the 8 most recent tables stay cached, the oldest goes first
+    layout._TABLES.clear()
+    tables = [layout.row_table(1, n + 1) for n in range(layout._TABLES_MAX)]
+    assert all(layout.row_table(1, n + 1) is tables[n] for n in range(layout._TABLES_MAX))
+    newest = layout.row_table(1, 100)
+    assert layout.row_table(1, 100) is newest and layout.row_table(1, 1) is not tables[0]

@@ -277,3 +277,166 @@ def test_patch_real_verl_compute_advantage(core_algos):
         torch.testing.assert_close(gae.batch["advantages"], want)  # other estimators: verl's own function
     finally:
         rt.compute_advantage = original
+
+
+# ---------------------------------------------------------------- defaults, config keys, names (mutation testing)
+
+
+def test_policy_loss_defaults_and_clip_keys():
+    """No config: verl's defaults (clip 0.2 both sides, dual clip 3, token-mean); clip_ratio_low/high
+    override clip_ratio side by side; loss_scale_factor replaces L in the -norm mode."""
+    old, logp, adv, mask = _loss_inputs()
+    _assert_every_clip_binds(old, logp, adv, mask, low=0.2, high=0.2)
+    _assert_every_clip_binds(old, logp, adv, mask, low=0.1, high=0.3)
+    want = lambda low, high, mode="token-mean": peers.verl_policy_loss(old, logp, adv, mask, mode, low, high, 3.0)[0]
+    cases = [(None, want(0.2, 0.2)), ({}, want(0.2, 0.2)), ({"clip_ratio": 0.3}, want(0.3, 0.3)),
+             ({"clip_ratio": 0.3, "clip_ratio_low": 0.1}, want(0.1, 0.3)),
+             ({"clip_ratio": 0.1, "clip_ratio_high": 0.3}, want(0.1, 0.3))]
+    for cfg, w in cases:
+        loss, _ = V.compute_policy_loss_compaction(old, logp, adv, mask, config=cfg)
+        torch.testing.assert_close(loss.double(), w, rtol=1e-5, atol=1e-7)
+    loss, _ = V.compute_policy_loss_compaction(old, logp, adv, mask, "token-mean", {"clip_ratio_c": 4.0})
+    w = peers.verl_policy_loss(old, logp, adv, mask, "token-mean", 0.2, 0.2, 4.0)[0]
+    torch.testing.assert_close(loss.double(), w, rtol=1e-5, atol=1e-7)
+    L = mask.shape[1]
+    base, _ = V.compute_policy_loss_compaction(old, logp, adv, mask, "seq-mean-token-sum-norm", {})
+    scaled, _ = V.compute_policy_loss_compaction(old, logp, adv, mask, "seq-mean-token-sum-norm",
+                                                 {"loss_scale_factor": 7.0})
+    torch.testing.assert_close(scaled, base * L / 7.0)
+
+
+def test_policy_loss_metrics():
+    old, logp, adv, mask = _loss_inputs()
+    _, metrics = V.compute_policy_loss_compaction(old, logp, adv, mask, "token-mean", _actor_config())
+    assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/approx_kl",
+                            "actor/ratio_max"}
+    lr, m = (logp.detach() - old).double(), mask.bool()
+    assert metrics["actor/ratio_max"] == pytest.approx(float(lr[m].exp().max()), rel=1e-5)
+    assert metrics["actor/approx_kl"] == pytest.approx(float((lr[m].exp() - 1 - lr[m]).mean()), rel=1e-5)
+
+
+def test_policy_loss_global_batch_info_edge_cases():
+    old, logp, adv, mask = _loss_inputs()
+    cfg = _actor_config
+    base, _ = V.compute_policy_loss_compaction(old, logp, adv, mask, "token-mean", cfg())
+    none_dp, _ = V.compute_policy_loss_compaction(old, logp, adv, mask, "token-mean",
+                                                  cfg(global_batch_info={"dp_size": None}))
+    torch.testing.assert_close(none_dp, base)  # dp_size None: one rank
+    one, _ = V.compute_policy_loss_compaction(old, logp, adv, mask, "token-sum", cfg())
+    two, _ = V.compute_policy_loss_compaction(old, logp, adv, mask, "token-sum", cfg(global_batch_info={"dp_size": 2}))
+    torch.testing.assert_close(two, one * 2)  # token-sum needs no global counts
+    with pytest.raises(ValueError, match=r"global_batch_info\['batch_num_tokens'\] is required"):
+        V.compute_policy_loss_compaction(old, logp, adv, mask, "token-mean", cfg(global_batch_info={"dp_size": 2}))
+    with pytest.raises(ValueError, match=r"global_batch_info\['global_batch_size'\] is required"):
+        V.compute_policy_loss_compaction(old, logp, adv, mask, "seq-mean-token-mean",
+                                         cfg(global_batch_info={"dp_size": 2}))
+
+
+def test_adapter_errors_name_the_argument():
+    old, logp, adv, mask = _loss_inputs()
+    bad = torch.zeros(3, 2)
+    args = dict(old_log_prob=old, log_prob=logp, advantages=adv, rollout_is_weights=torch.ones(mask.shape))
+    for name in args:
+        kw = dict(args, **{name: bad})
+        with pytest.raises(ValueError, match=rf"^{name} must have shape \[B, L\]"):
+            V.compute_policy_loss_compaction(response_mask=mask, **kw)
+    with pytest.raises(ValueError, match="^response_mask must hold only 0 and 1"):
+        V.compute_policy_loss_compaction(old, logp, adv, mask * 2)
+    r, v, m = _one_segment_batch()
+    with pytest.raises(ValueError, match="^response_mask must hold only 0 and 1"):
+        V.compute_compaction_gae(r, m * 2, values=v)
+    with pytest.raises(ValueError, match=r"^compaction_gae needs the critic's values.*patch_compute_advantage\(\) "
+                                         r"\(and set critic.enable=True\)$"):
+        V.compute_compaction_gae(r, m)
+
+
+def test_gae_options_defaults_and_lam_types():
+    kw, flags = V.gae_options({})
+    assert kw == dict(gamma=1.0, **V.GAE_DEFAULTS) and type(kw["gamma"]) is float
+    assert flags == dict(whiten=False, rollout_id_key="rollout_id", group_by_uid=True)
+    kw, flags = V.gae_options({"compaction_gae": {"lam": 1, "rollout_id_key": "rid", "group_by_uid": False}})
+    assert kw["lam"] == 1.0 and type(kw["lam"]) is float and flags["rollout_id_key"] == "rid"
+    assert flags["group_by_uid"] is False
+    assert V.gae_options({"compaction_gae": {"lam": True}})[0]["lam"] is True  # left for segment_gae to refuse
+
+
+def test_compute_advantage_id_sources():
+    """Rollout ids from the configured key, else `uid` (unless group_by_uid is off), else one per row."""
+    b = packed_batch(SHAPE_TABLE["four_segments"], seed=3)
+    pad, ids, pos, rows, cols = padded_from_packed(b, seed=1, shuffle=False)
+    batch = {"token_level_rewards": pad["rewards"], "values": pad["values"], "response_mask": pad["mask"].long()}
+    grouped, _ = crf.segment_gae(**b)
+    per_row = V.compute_compaction_gae(pad["rewards"], pad["mask"], values=pad["values"])[0][rows, cols]
+    assert not torch.allclose(grouped, per_row)
+
+    def run(nt, cfg):
+        data = types.SimpleNamespace(batch=dict(batch), **({} if nt is None else {"non_tensor_batch": nt}))
+        return V.compute_advantage(data, cfg).batch["advantages"][rows, cols]
+
+    torch.testing.assert_close(run({"rid": ids.numpy()}, {"compaction_gae": {"rollout_id_key": "rid"}}), grouped)
+    torch.testing.assert_close(run({"uid": ids.numpy()}, {}), grouped)
+    torch.testing.assert_close(run({"uid": ids.numpy()}, {"compaction_gae": {"group_by_uid": False}}), per_row)
+    torch.testing.assert_close(run(None, {}), per_row)  # no non_tensor_batch at all
+
+
+def test_patch_compute_advantage_module_names_and_call_forms(tmp_path, monkeypatch):
+    calls = []
+
+    def original(data, adv_estimator, gamma=1.0, lam=1.0, num_repeat=1, norm_adv_by_std_in_grpo=True, config=None):
+        calls.append((data, adv_estimator, gamma, config))
+        return data
+
+    loaded = types.ModuleType("crf_fake_loaded")
+    loaded.compute_advantage = original
+    monkeypatch.setitem(sys.modules, "crf_fake_loaded", loaded)
+    (tmp_path / "crf_fake_on_disk.py").write_text("def compute_advantage(data, adv_estimator, config=None):\n"
+                                                  "    return 'original'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "crf_fake_on_disk", raising=False)
+    without = types.SimpleNamespace()
+    patched = V.patch_compute_advantage("crf_no_such_module", without, "crf_fake_loaded", "crf_fake_on_disk")
+    assert [getattr(m, "__name__", None) for m in patched] == ["crf_fake_loaded", "crf_fake_on_disk"]
+    assert sys.modules["crf_fake_on_disk"].compute_advantage("d", "gae") == "original"
+    r, v, mask = _one_segment_batch()
+    data = types.SimpleNamespace(batch={"token_level_rewards": r, "values": v, "response_mask": mask},
+                                 non_tensor_batch={})
+    loaded.compute_advantage(data, "gae", 0.5, config={"x": 1})  # others: args and kwargs passed on unchanged
+    assert calls == [(data, "gae", 0.5, {"x": 1})]
+    # config given positionally; the estimator as an enum-like object with .value
+    loaded.compute_advantage(data, types.SimpleNamespace(value="compaction_gae"), 1.0, 1.0, 1, True, {"gamma": 0.9})
+    assert len(calls) == 1
+    want, _ = crf.segment_gae(*(x[mask.bool()] for x in (r, v)), torch.ones(int(mask.sum()), dtype=torch.bool),
+                              torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)]), gamma=0.9)
+    torch.testing.assert_close(data.batch["advantages"][mask.bool()], want)
+
+
+def test_register_with_a_fake_verl(monkeypatch):
+    """register() against verl's decorator API (faked: real verl runs only in `make test-integrations`)."""
+    adv, loss = {}, {}
+
+    def register_adv_est(name):
+        def deco(fn):
+            if name in adv and adv[name] != fn:  # as verl: a different function under a taken name
+                raise ValueError(f"{name} already registered")
+            adv[name] = fn
+            return fn
+        return deco
+
+    def register_policy_loss(name):
+        def deco(fn):
+            loss[name] = fn
+            return fn
+        return deco
+
+    core = types.SimpleNamespace(ADV_ESTIMATOR_REGISTRY=adv, register_adv_est=register_adv_est,
+                                 register_policy_loss=register_policy_loss)
+    ppo = types.ModuleType("verl.trainer.ppo")
+    ppo.core_algos = core
+    for name, mod in (("verl", types.ModuleType("verl")), ("verl.trainer", types.ModuleType("verl.trainer")),
+                      ("verl.trainer.ppo", ppo), ("verl.trainer.ppo.core_algos", core)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    assert V.register() is True and V.register() is True
+    assert adv == {"compaction_gae": V.compute_compaction_gae}
+    assert loss == {"compaction": V.compute_policy_loss_compaction}
+    monkeypatch.setitem(sys.modules, "verl.trainer.ppo", None)  # not importable
+    assert V.register() is False

@@ -96,3 +96,11 @@ def test_a_budget_smaller_than_the_prompt_is_refused():
     ro = run_rollouts(FixedEngine(TOK, summary="seen 1"), [ListEnv(["la"] * 6)], TOK,
                       memory_config(budget=resumed + 3, compact_threshold=resumed - prompt, summary_max_tokens=4))[0]
     assert ro.compactions > 0 and all(len(s) <= resumed + 3 for s in ro.segments if s.kind == "exec")
+
+
+def test_pack_rejects_a_segment_without_a_kind():
+    class NoKind:
+        input_ids, loss_mask, logprobs = [1], [False], [0.0]
+
+    with pytest.raises(ValueError, match=r"rollouts\[0\].segments\[0\].kind must be one of .*got None"):
+        pack([Rollout(segments=[NoKind()])])

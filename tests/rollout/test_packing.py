@@ -153,3 +153,82 @@ def test_per_rollout_fields_and_reward_modes(model_rollouts):
     assert int((st.rewards != 0).sum()) == 4  # one reward per rollout, not one per segment as in "paper"
     with pytest.raises(TypeError):
         pack(ros[0])  # one Rollout, not a list of them
+
+
+def check_dtypes(b):
+    """Every tensor of the batch has the dtype PackedBatch documents, whatever the batch size (an empty list
+    gives torch.tensor's float32 default unless pack names the dtype)."""
+    want = {"input_ids": torch.int64, "position_ids": torch.int64, "cu_attn": torch.int64,
+            "cu_seqlens": torch.int64, "cu_segments": torch.int64, "segment_attn": torch.int64,
+            "loss_mask": torch.bool, "rollout_logprobs": torch.float32, "rewards": torch.float32,
+            "segment_kind": torch.int8, "rollout_rewards": torch.float32, "success": torch.bool,
+            "truncated": torch.bool, "errored": torch.bool, "compactions": torch.int64, "num_turns": torch.int64}
+    assert {k: getattr(b, k).dtype for k in want} == want
+    assert b.token_segment_kind().dtype == torch.int8
+
+
+def test_dtypes_hold_for_empty_batches_and_integer_rewards():
+    check_dtypes(pack([]))
+    check_dtypes(pack([Rollout(finish_reason="error", error="boom")]))  # one rollout, no segments
+    seg = Segment("exec", [1, 2, 3], [False, True, True], [0, -1, -2])  # integer log-probs and reward
+    b = pack([Rollout(segments=[seg], reward=1, compactions=0)])
+    check_dtypes(b)
+    assert b.rollout_rewards.tolist() == [1.0] and b.rewards.tolist() == [0.0, 0.0, 1.0]
+
+
+def test_token_segment_kind_repeats_each_segment_kind_over_its_tokens():
+    ros = expert_rollouts(2, drop_oldest_p=0.0)
+    b = pack(ros, prefix_sharing=True)
+    lens = b.cu_seqlens.diff().tolist()
+    want = [k for k, n in zip(b.segment_kind.tolist(), lens) for _ in range(n)]
+    assert b.token_segment_kind().tolist() == want and 1 in want
+
+
+def test_list_fields_reach_the_batch():
+    ros = expert_rollouts(3, drop_oldest_p=0.0)
+    for i, r in enumerate(ros):
+        r.info = {"id": i}
+    b = pack(ros)
+    assert b.summary_lengths == [r.summary_lengths for r in ros] and all(b.summary_lengths)
+    assert b.infos == [{"id": i} for i in range(3)]
+    b.infos[0]["id"] = 9  # a copy: the batch does not alias the records
+    assert ros[0].info == {"id": 0}
+
+
+def test_empty_leading_segment_belongs_to_attention_sequence_zero():
+    empty = Segment("exec", [], [], [])
+    seg = Segment("exec", [1, 2, 3], [False, True, True], [0.0, -1.0, -2.0])
+    b = pack([Rollout(segments=[empty, seg]), Rollout(segments=[seg])])
+    assert b.segment_attn.tolist() == [0, 0, 1] and b.cu_attn.tolist() == [0, 3, 6]
+    check_layout(b, [Rollout(segments=[empty, seg]), Rollout(segments=[seg])])
+
+
+def test_prefix_sharing_edge_cases():
+    win = Segment("exec", [5], [False], [0.0])
+    one = Segment("summary", [5, 6, 7], [False, False, True], [0.0, 0.0, -1.0], shared_prefix=1)
+    b = pack([Rollout(segments=[win, one])], prefix_sharing=True)  # a one-token shared prefix is shared
+    assert b.cu_attn.tolist() == [0, 3] and b.cu_seqlens.tolist() == [0, 1, 3] and b.segment_attn.tolist() == [0, 0]
+    alone = Segment("summary", [8, 6, 7], [False, False, True], [0.0, 0.0, -1.0], shared_prefix=0)
+    b = pack([Rollout(segments=[win, alone])], prefix_sharing=True)  # shared_prefix 0: its own sequence
+    assert b.cu_attn.tolist() == [0, 1, 4] and b.segment_attn.tolist() == [0, 1]
+    with pytest.raises(ValueError, match="shared prefix"):  # a summary with no window before it
+        pack([Rollout(segments=[one])], prefix_sharing=True)
+    # a summary cannot share the prefix of another summary, even when the tokens match
+    again = Segment("summary", [5, 6, 7, 9, 4], [False] * 4 + [True], [0.0] * 4 + [-1.0], shared_prefix=3)
+    with pytest.raises(ValueError, match="shared prefix"):
+        pack([Rollout(segments=[win, one, again])], prefix_sharing=True)
+
+
+def test_pack_rejects_each_mismatched_length_and_non_iterables():
+    with pytest.raises(ValueError, match="length"):  # logprobs alone too short
+        pack([Rollout(segments=[Segment("exec", [1, 2], [False, True], [0.0])])])
+    with pytest.raises(ValueError, match="length"):  # loss_mask alone too short
+        pack([Rollout(segments=[Segment("exec", [1, 2], [False], [0.0, -1.0])])])
+    for bad in (5, None):
+        with pytest.raises(TypeError, match="rollouts must be a list of Rollout records"):
+            pack(bad)
+
+
+def test_pack_puts_the_batch_on_device():
+    b = pack(expert_rollouts(1, drop_oldest_p=0.0), device="meta")
+    assert b.input_ids.device.type == b.rewards.device.type == b.success.device.type == "meta"

@@ -229,3 +229,108 @@ def test_metrics_log_full_disk_and_a_cut_line(tmp_path, monkeypatch):
         f.write('{"step": 1, "rew')
     MetricsLog(str(tmp_path), resume_step=5, tensorboard=False)
     assert [r["step"] for r in read_rows(path)] == [0] and path.read_text() == good
+
+
+def test_bad_plain_data_is_named_by_its_path(tmp_path):
+    class Gadget:
+        pass
+
+    with pytest.raises(TypeError, match=r"checkpoint payload\['extra'\]\['a'\]\[1\]: Gadget is not plain data"):
+        _save_tiny(tmp_path, extra={"a": [1, Gadget()]})
+    with pytest.raises(TypeError, match=r"checkpoint payload\['extra'\]: key \(1, 2\) is not plain data"):
+        _save_tiny(tmp_path, extra={(1, 2): 0})
+    assert _files(tmp_path) == []
+
+
+def test_checksum_covers_values_and_their_types():
+    values = [[1], (1,), [1.0], ["1"], [True], [None], {"a": 1}, {"a": 2}, {1: 1}, [torch.zeros(0)],
+              [torch.zeros(0, dtype=torch.int64)], [torch.zeros(1)], [[1, 2]], [[1], [2]]]
+    sums = [checkpoint.checksum(v) for v in values]
+    assert len(set(sums)) == len(values)
+    assert checkpoint.checksum({"a": [1, (2.5, "x")]}) == checkpoint.checksum({"a": [1, (2.5, "x")]})
+
+
+def test_extra_subclasses_of_builtins_come_back_as_builtins(tmp_path):
+    import collections
+    import enum
+
+    Pair = collections.namedtuple("Pair", "x y")
+
+    class Color(enum.IntEnum):
+        RED = 2
+
+    class Name(str):
+        pass
+
+    _save_tiny(tmp_path, extra={"pair": Pair(np.float64(1.5), 2), "color": Color.RED, "name": Name("n")})
+    extra = checkpoint.load(str(tmp_path), models={}, optimizers={})["extra"]
+    assert extra == {"pair": (1.5, 2), "color": 2, "name": "n"}
+    assert [type(extra[k]) for k in ("pair", "color", "name")] == [tuple, int, str]
+
+
+def test_load_names_every_missing_entry(tmp_path):
+    _save_tiny(tmp_path)
+    a2, c2 = tiny_models()
+    with pytest.raises(ValueError, match=r"lacks \['models.ghost'\]"):
+        checkpoint.load(str(tmp_path), models={"actor": a2, "ghost": c2}, optimizers={})
+    with pytest.raises(ValueError, match=r"lacks \['models.ghost', 'optimizers.ghost'\]"):
+        checkpoint.load(str(tmp_path), models={"ghost": c2}, optimizers={"ghost": torch.optim.SGD(a2.parameters())})
+
+
+def test_state_dict_round_trip_and_missing_file(tmp_path):
+    actor, _ = tiny_models()
+    path = str(tmp_path / "sft.pt")
+    checkpoint.save_state_dict(actor.state_dict(), path)
+    back = checkpoint.load_state_dict(path)
+    sd = actor.state_dict()
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope.pt")):
+        checkpoint.load_state_dict(tmp_path / "nope.pt")
+
+
+def test_unreadable_files_say_why(tmp_path, monkeypatch):
+    path, *_ = _save_tiny(tmp_path)
+    open(path, "wb").close()
+    with pytest.raises(CorruptCheckpointError, match=f"{path} is empty"):
+        checkpoint.read(path)
+    _save_tiny(tmp_path)
+    with pytest.raises(CorruptCheckpointError, match=r"cannot be read safely .*: UnpicklingError: \S"):
+        torch.save({"x": _Evil()}, path)
+        checkpoint.read(path)
+
+    _save_tiny(tmp_path)
+    for err, tail in ((OSError("disk went away\nsecond line"), "OSError: disk went away$"), (OSError(), "OSError: $")):
+        monkeypatch.setattr(checkpoint.torch, "load", lambda *a, err=err, **k: (_ for _ in ()).throw(err))
+        with pytest.raises(CorruptCheckpointError, match=f"{path} cannot be read safely .*{tail}"):
+            checkpoint.read(path)  # the cause's first line only (or nothing when it has no message)
+
+
+def test_wrong_format_or_non_plain_data_is_refused(tmp_path):
+    path = tmp_path / "c.pt"
+    torch.save({"format": checkpoint.FORMAT - 1, "data": {}, "sha256": checkpoint.checksum({})}, path)
+    with pytest.raises(CorruptCheckpointError, match=f"{path} is not a compactionrl_fast checkpoint of format"):
+        checkpoint.read(path)
+    torch.save({"format": checkpoint.FORMAT, "data": {"x": b"ab"}, "sha256": ""}, path)  # bytes load safely
+    with pytest.raises(CorruptCheckpointError, match=rf"{path}: checkpoint payload\['x'\]: bytes is not plain"):
+        checkpoint.read(path)
+
+
+def test_cuda_rng_is_saved_only_once_cuda_is_initialised_and_restored(monkeypatch):
+    """The CUDA branch, with torch.cuda faked (no GPU here)."""
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.ones(3, dtype=torch.uint8)])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    assert "cuda" not in checkpoint.rng_state()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    state = checkpoint.rng_state()
+    assert torch.equal(state["cuda"][0], torch.ones(3, dtype=torch.uint8))
+    checkpoint.set_rng_state(state)
+    assert len(restored) == 1 and restored[0] is state["cuda"]
+    del state["cuda"]
+    checkpoint.set_rng_state(state)  # a checkpoint from a CPU run restores nothing on CUDA
+    assert len(restored) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert "cuda" not in checkpoint.rng_state()

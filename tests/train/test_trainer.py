@@ -121,3 +121,45 @@ def test_ppo_epochs_and_minibatches_use_frozen_old_logprobs():
     m = train_step(state, batches, minibatches=[[0], [1]], diagnose=False)
     # after the first of 4 actor steps the policy moved away from the frozen behaviour policy
     assert m["actor/approx_kl"] > 0 and m["actor/ratio_max"] > 1
+
+
+def test_rollout_metrics_by_hand():
+    from compactionrl_fast.rollout import Rollout, Segment
+    from compactionrl_fast.train.trainer import rollout_metrics
+
+    summ = lambda n: Segment("summary", [0] * (n + 1), [False] + [True] * n, [0.0] * (n + 1))  # noqa: E731
+    a = Rollout(segments=[summ(3), summ(5)], reward=1.0, compactions=2, turns=[1, 2, 3],
+                info={"acc": 1, "name": "x", "flag": True})
+    b = Rollout(reward=0.0, finish_reason="error", error="boom", info={"acc": 0.5, "steps": 4})
+    c = Rollout(reward=0.5, finish_reason="max_turns", turns=[1], info={"success": False})
+    m = rollout_metrics([a, b, c], prefix="train/")
+    assert m == pytest.approx({"train/reward": 0.5, "train/success": 1 / 3, "train/compactions": 2 / 3,
+                               "train/truncated": 1 / 3, "train/errors": 1 / 3, "train/turns": 4 / 3,
+                               "train/summary_tokens": 4.0, "train/info/acc": 0.75, "train/info/steps": 4.0})
+    assert rollout_metrics([]) == {"reward": 0.0, "success": 0.0, "compactions": 0.0, "truncated": 0.0,
+                                   "errors": 0.0, "turns": 0.0, "summary_tokens": 0.0}
+
+
+def test_concat_layout_and_denominator_over_micro_batches():
+    from compactionrl_fast.packing import pack
+    from compactionrl_fast.rollout import Rollout, Segment
+    from compactionrl_fast.train.trainer import concat_layout, denominator
+
+    seg = lambda n, on=True: Segment("exec", [0] * (n + 1), [False] + [on] * n, [0.0] * (n + 1))  # noqa: E731
+    b1 = pack([Rollout(segments=[seg(2), seg(1, on=False)]), Rollout(segments=[seg(3)])])  # T 9, S 3, R 2
+    b2 = pack([Rollout(segments=[seg(1), seg(2)])])  # T 5, S 2, R 1
+    masks = [b1.loss_mask, b2.loss_mask.clone()]
+    mask, cu_seq, cu_seg = concat_layout([b1, b2], masks)
+    assert mask.tolist() == b1.loss_mask.tolist() + b2.loss_mask.tolist()
+    assert cu_seq.tolist() == [0, 3, 5, 9, 11, 14] and cu_seg.tolist() == [0, 2, 3, 5]
+    assert cu_seq.dtype == cu_seg.dtype == torch.int64
+    assert denominator([b1, b2], masks, "sum") is None
+    assert denominator([b1, b2], masks, "token-mean") == 8
+    assert denominator([b1, b2], masks, "segment-mean") == 4  # the masked-out segment does not count
+    assert denominator([b1, b2], masks, "rollout-mean") == 3
+    masks[1][:] = False
+    assert denominator([b1, b2], masks, "rollout-mean") == 2
+    off = [torch.zeros_like(m) for m in masks]
+    assert denominator([b1, b2], off, "token-mean") == denominator([b1, b2], off, "segment-mean") == 1  # >= 1
+    mask, cu_seq, cu_seg = concat_layout([], [torch.zeros(0, dtype=torch.bool)])
+    assert cu_seq.tolist() == cu_seg.tolist() == [0]

@@ -75,6 +75,7 @@ def test_ppo_policy_loss_reduction_metrics_and_gradient():
     assert met["clip_fraction"].item() == pytest.approx(0.5) and met["dual_clip_fraction"].item() == 0.25
     assert met["ratio_max"].item() == pytest.approx(math.exp(2))
     assert met["approx_kl"].item() == pytest.approx(sum((x - 1) - math.log(x) for x in r) / 4)
+    assert met["log_ratio"].item() == pytest.approx(sum(math.log(x) for x in r) / 4)
     s, _ = Lo.ppo_policy_loss(lp, old, adv, m, dual_clip=3.0, reduction="sum")
     assert s.item() == pytest.approx(-1.2 + 3.0 + 1.6 - 0.5)
     seg, _ = Lo.ppo_policy_loss(lp, old, adv, m, cu_seqlens=_t([0, 1, 5], torch.int64), dual_clip=3.0,
@@ -170,7 +171,7 @@ def test_ppo_policy_loss_passes_every_option():
     assert loss.item() == pytest.approx(tok.mean().item())  # one rollout of 4 tokens
     loss, met = Lo.ppo_policy_loss(LP, OLD, ADV, torch.zeros(4, dtype=torch.bool))
     assert {k: v.dtype for k, v in met.items()} == dict.fromkeys(
-        ["clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_max"], torch.float64)
+        ["clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_max", "log_ratio"], torch.float64)
 
 
 def test_value_clip_edges():

@@ -32,6 +32,10 @@ MODULES = {
                        "tests/test_distributed.py"],
     "integrations/layout": ["tests/integrations/test_layout.py", "tests/integrations/test_padded.py"],
     "integrations/verl": ["tests/integrations/test_verl.py"],
+    "integrations/openrlhf": ["tests/integrations/test_openrlhf.py", "tests/integrations/test_padded.py"],
+    "integrations/trl": ["tests/integrations/test_trl.py", "tests/integrations/test_padded.py"],
+    "integrations/_common": ["tests/integrations/test_common.py", "tests/integrations/test_openrlhf.py",
+                             "tests/integrations/test_trl.py", "tests/integrations/test_verl.py"],
     "train/checkpoint": ["tests/train/test_checkpoint.py", "tests/train/test_io.py"],
     # without test_faults.py and test_smoke.py: they train in subprocesses (mutants are not visible there)
     # and take a minute

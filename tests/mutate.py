@@ -39,8 +39,8 @@ MODULES = {
     "train/checkpoint": ["tests/train/test_checkpoint.py", "tests/train/test_io.py"],
     # without test_faults.py and test_smoke.py: they train in subprocesses (mutants are not visible there)
     # and take a minute
-    "train/trainer": ["tests/train/test_trainer.py", "tests/train/test_checkpoint.py", "tests/train/test_config.py",
-                      "tests/train/test_diagnostics.py"],
+    "train/trainer": ["tests/train/test_trainer.py", "tests/train/test_fit.py", "tests/train/test_checkpoint.py",
+                      "tests/train/test_config.py", "tests/train/test_diagnostics.py"],
 }
 
 

@@ -1,0 +1,186 @@
+"""The training loop `fit` in-process on the tiny task: the seeds each iteration samples with, value
+pre-training leaving the actor alone, the metrics rows and their cadence, evaluation, progress and
+checkpoint cadence; and `evaluate`."""
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from compactionrl_fast import demo
+from compactionrl_fast.rollout import loop
+from compactionrl_fast.rollout.engines.transformers_engine import TransformersEngine
+from compactionrl_fast.train import trainer
+from compactionrl_fast.train.model import critic_from_actor
+from compactionrl_fast.train.trainer import EVAL_SEED_BASE, MetricsLog, evaluate, fit, make_state, rollout_metrics
+
+from ._tiny import tiny_train_config
+
+
+class _Progress:
+    def __init__(self):
+        self.updates, self.postfix = [], []
+
+    def update(self, n):
+        self.updates.append(n)
+
+    def set_postfix(self, **kw):
+        self.postfix.append(kw)
+
+
+class _Tuner:
+    """A thread tuner that reports a fixed thread count (fit logs it)."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def step(self):
+        import contextlib
+
+        self.steps += 1
+        return contextlib.nullcontext(3)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """fit over 1 value pre-training + 3 PPO iterations, log_every=2, eval_every=2, checkpoint_every=2, gap_every=2,
+    recording every run_rollouts call, the actor after each iteration and the checkpoints."""
+    tmp = tmp_path_factory.mktemp("fit")
+    cfg = tiny_train_config(tmp / "run", steps=3, log_every=2, eval_every=2, checkpoint_every=2, gap_every=2, seed=7,
+                            group_size=2, temperature=0.9)
+    tok, make_envs, rcfg = demo.task(cfg)
+    actor = demo.build(cfg, tok)
+    state = make_state(cfg, actor, critic_from_actor(actor))
+    engine = TransformersEngine(actor, pad_token_id=tok.pad_token_id)
+    rec = dict(calls=[], actor=[copy.deepcopy(actor.state_dict())], rollouts=[], evals=[], saves=[])
+    real_run, real_save = loop.run_rollouts, trainer.save_state
+
+    def run_rollouts(engine, envs, tokenizer, c, seeds, chat=None):
+        rec["calls"].append((list(seeds), c.seed, c.temperature, len(envs)))
+        return real_run(engine, envs, tokenizer, c, seeds, chat=chat)
+
+    def metrics_fn(rollouts):
+        rec["actor"].append(copy.deepcopy(actor.state_dict()))
+        rec["rollouts"].append(rollouts)
+        return {"task/n": len(rollouts)}
+
+    def eval_fn(s):
+        rec["evals"].append(s.step)
+        return {"eval/step": s.step}
+
+    def save_state(s, run_dir):
+        rec["saves"].append(s.step)
+        return real_save(s, run_dir)
+
+    progress, tuner = _Progress(), _Tuner()
+    mp = pytest.MonkeyPatch()
+    mp.setattr(loop, "run_rollouts", run_rollouts)
+    mp.setattr(trainer, "save_state", save_state)
+    try:
+        out = fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=demo.packer(cfg),
+                  run_dir=cfg.run_dir, progress=progress, eval_fn=eval_fn, metrics_fn=metrics_fn, tuner=tuner)
+    finally:
+        mp.undo()
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    return dict(cfg=cfg, state=state, out=out, rec=rec, rows=rows, progress=progress, tuner=tuner)
+
+
+def test_fit_samples_each_iteration_with_its_own_seeds(run):
+    cfg, rec = run["cfg"], run["rec"]
+    assert run["out"] is run["state"] and run["state"].step == 4
+    assert len(rec["calls"]) == 4
+    for it, (seeds, seed, temperature, n_envs) in enumerate(rec["calls"]):
+        base = (7 * 100_003 + it) * 4
+        assert seeds == [(base + i) // 2 for i in range(4)]  # group_size 2: pairs share a task
+        assert seed == (7 * 100_003 + it) * 1009
+        assert temperature == 0.9 and n_envs == 4
+    assert rec["calls"][0][0] == trainer.train_seeds(cfg, 0, 0, 4)
+
+
+def test_value_pretraining_leaves_the_actor_then_ppo_moves_it(run):
+    a = run["rec"]["actor"]
+    assert len(a) == 5
+
+    def moved(x, y):
+        return any(not torch.equal(x[k], y[k]) for k in x)
+
+    assert not moved(a[0], a[1])  # iteration 0: value pre-training
+    assert all(moved(a[i], a[i + 1]) for i in (1, 2, 3))
+
+
+def test_fit_metrics_rows(run):
+    rows, rec = run["rows"], run["rec"]
+    # log_every=2: iterations 0 and 2, and the last one
+    assert [r["step"] for r in rows] == [0, 2, 3]
+    assert [r["phase"] for r in rows] == ["value_pretrain", "ppo", "ppo"]
+    assert [r["actor_step"] for r in rows] == [0, 2, 3]
+    assert all(r["threads"] == 3 for r in rows) and run["tuner"].steps == 4
+    for r, ro in zip(rows, [rec["rollouts"][i] for i in (0, 2, 3)]):
+        assert r["task/n"] == 4
+        assert r["time/rollout_s"] > 0 and r["time/train_s"] > 0
+        for k, v in rollout_metrics(ro).items():
+            assert r[k] == pytest.approx(v)
+    # the actor's metrics only in PPO iterations; the gap (gap_every=2) at iterations 0 and 2 only
+    assert "actor/policy_loss" not in rows[0] and "actor/policy_loss" in rows[1] and "actor/grad_norm" in rows[2]
+    assert "gap_abs_mean" in rows[0] and "gap_abs_mean" in rows[1] and "gap_abs_mean" not in rows[2]
+    # eval_every=2 counts actor steps: after actor step 2 (iteration 2, state.step 3), not in pre-training
+    assert rec["evals"] == [3]
+    assert rows[1]["eval/step"] == 3 and "eval/step" not in rows[0] and "eval/step" not in rows[2]
+
+
+def test_fit_progress_and_checkpoints(run):
+    p = run["progress"]
+    assert p.updates == [1, 1, 1, 1]
+    assert [x["ph"] for x in p.postfix] == ["V", "PPO", "PPO", "PPO"]
+    for x, ro in zip(p.postfix, run["rec"]["rollouts"]):
+        m = rollout_metrics(ro)
+        assert x["succ"] == f"{m['success']:.2f}" and x["R"] == f"{m['reward']:.2f}"
+    assert run["rec"]["saves"] == [2, 4]
+
+
+def test_fit_refuses_a_batch_the_world_does_not_divide(tmp_path, monkeypatch):
+    cfg = tiny_train_config(tmp_path, rollouts_per_step=3)
+    monkeypatch.setattr(trainer, "world", lambda: (0, 2))
+    with pytest.raises(ValueError, match="rollouts_per_step"):
+        fit(make_state(cfg, *_models(cfg)), engine=None, make_envs=None, tokenizer=None, rollout_cfg=None, pack=None,
+            run_dir=str(tmp_path))
+
+
+def _models(cfg):
+    tok, _, _ = demo.task(cfg)
+    actor = demo.build(cfg, tok)
+    return actor, critic_from_actor(actor)
+
+
+def test_metrics_log_resume_keeps_rows_before_the_step(tmp_path):
+    log = MetricsLog(str(tmp_path), tensorboard=False)
+    for s in range(4):
+        log.log(s, {"x": float(s), "bad": float("nan")})
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[2]["x"] == 2.0
+    MetricsLog(str(tmp_path), resume_step=2, tensorboard=False)
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1]
+    MetricsLog(str(tmp_path), tensorboard=False)  # a fresh run starts a fresh file
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_evaluate_runs_held_out_seeds_greedy(tmp_path, monkeypatch):
+    cfg = tiny_train_config(tmp_path)
+    tok, make_envs, rcfg = demo.task(cfg)
+    actor = demo.build(cfg, tok)
+    engine = TransformersEngine(actor, pad_token_id=tok.pad_token_id)
+    calls = []
+    real = loop.run_rollouts
+
+    def run_rollouts(engine, envs, tokenizer, c, seeds, chat=None):
+        calls.append((list(seeds), c.seed, c.temperature, len(envs)))
+        return real(engine, envs, tokenizer, c, seeds, chat=chat)
+
+    monkeypatch.setattr(loop, "run_rollouts", run_rollouts)
+    m, ro = evaluate(engine, make_envs, tok, rcfg, 5, temperature=0.0, seed_base=50, chunk=2)
+    assert calls == [([50, 51], 50, 0.0, 2), ([52, 53], 50, 0.0, 2), ([54], 50, 0.0, 1)]
+    assert len(ro) == 5 and m == rollout_metrics(ro)
+    calls.clear()
+    evaluate(engine, make_envs, tok, rcfg, 1, temperature=0.5)
+    assert calls == [([EVAL_SEED_BASE], EVAL_SEED_BASE, 0.5, 1)]

@@ -32,6 +32,8 @@ def test_number_accepts_numbers_and_names_the_argument():
     for bad in [True, "1", b"1", None, [1.0], torch.ones(2)]:
         with pytest.raises(TypeError, match="^x must be a number"):
             number("x", bad)
+    with pytest.raises(TypeError, match="got list"):  # the type that was passed
+        number("x", [1.0])
 
 
 def test_masked_whiten_equals_direct_formula():
@@ -78,3 +80,5 @@ def test_masked_mean_ignores_masked_positions(dtype):
     finite = torch.tensor([1.0, 2.0, 30.0, 4.0], dtype=dtype)
     assert float(masked_mean(finite.clone(), mask[:4])) == pytest.approx(7.0 / 3)
     assert float(masked_mean(x.clone(), torch.zeros(5, dtype=torch.bool))) == 0.0
+    one = torch.tensor([False, False, False, True, False])
+    assert float(masked_mean(x.clone(), one)) == 4.0

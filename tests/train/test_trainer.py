@@ -363,3 +363,67 @@ def test_metrics_log_sends_finite_numbers_to_tensorboard(tmp_path):
     log.tb = TB()
     log.log(7, {"a": 1.5, "b": float("inf"), "c": True, "d": "x", "e": 2, "f": [1.0]})
     assert log.tb.calls == [("a", 1.5, 7), ("e", 2, 7)]
+
+
+class _FakeWorld:
+    """Rank `rank` of 2 for trainer.world / dist: all_reduce adds the other rank's tensor, which is this
+    one's plus 1, 2, 3, ... by position (known, so the sum tells where each value went)."""
+
+    def __init__(self, monkeypatch, rank=0, backend="gloo"):
+        from compactionrl_fast.train import trainer
+
+        self.calls = []
+        monkeypatch.setattr(trainer, "world", lambda: (rank, 2))
+        monkeypatch.setattr(trainer.dist, "get_backend", lambda group=None: backend)
+        monkeypatch.setattr(trainer.dist, "all_reduce", self.all_reduce)
+
+    def all_reduce(self, t, group=None):
+        self.calls.append((t.dtype, t.device.type, t.numel(), group))
+        t.add_(t + torch.arange(1, t.numel() + 1, dtype=t.dtype))
+
+
+def test_global_sum_and_all_reduce_grads_in_a_two_rank_world(monkeypatch):
+    from compactionrl_fast.train.trainer import all_reduce_grads, global_sum
+
+    assert global_sum(2.5) == 2.5 and isinstance(global_sum(True), float)  # one process: itself
+    p = [torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(1))]
+    p[0].grad, p[2].grad = torch.full((2, 2), 1.0), torch.full((1,), 5.0)
+    all_reduce_grads(p)
+    assert p[1].grad is None  # one process: untouched
+    w = _FakeWorld(monkeypatch)
+    assert global_sum(3, group="g") == 7.0
+    assert w.calls == [(torch.float64, "cpu", 1, "g")]
+    all_reduce_grads(iter(p), group="g")  # one flat buffer [4 + 3 + 1]; the missing grad joins as zeros
+    assert w.calls[-1] == (torch.float32, "cpu", 8, "g")
+    assert p[0].grad.tolist() == [[3.0, 4.0], [5.0, 6.0]]
+    assert p[1].grad.tolist() == [5.0, 6.0, 7.0]
+    assert p[2].grad.tolist() == [18.0]
+    n = len(w.calls)
+    all_reduce_grads([])
+    assert len(w.calls) == n  # nothing to reduce
+
+
+def test_evaluate_splits_seeds_over_ranks_and_averages(monkeypatch):
+    from types import SimpleNamespace
+
+    from compactionrl_fast.rollout import loop
+    from compactionrl_fast.train.trainer import evaluate
+
+    calls = []
+
+    def run_rollouts(engine, envs, tok, c, seeds, chat=None):
+        calls.append((list(seeds), c.seed, c.temperature, chat))
+        return [SimpleNamespace(reward=1.0, success=True, compactions=2, truncated=False, finish_reason="stop",
+                                turns=[1], summary_lengths=[4], info={"acc": 0.5}) for _ in seeds]
+
+    cfg = SimpleNamespace(replace=lambda **kw: SimpleNamespace(**kw))
+    monkeypatch.setattr(loop, "run_rollouts", run_rollouts)
+    _FakeWorld(monkeypatch, rank=1)
+    m, ro = evaluate(None, lambda n: [None] * n, None, cfg, 7, temperature=0.3, seed_base=10, chunk=2, chat="c")
+    assert calls == [([11, 13], 11, 0.3, "c"), ([15], 11, 0.3, "c")]
+    assert len(ro) == 3
+    # the other rank holds 3 + 1 rollouts and the sums plus 1: fixed keys averaged over 7 rollouts,
+    # the environments' keys stay this rank's
+    assert m["reward"] == pytest.approx((3.0 + 4.0) / 7)
+    assert m["compactions"] == pytest.approx((6.0 + 7.0) / 7) and m["summary_tokens"] == pytest.approx(25.0 / 7)
+    assert m["info/acc"] == 0.5

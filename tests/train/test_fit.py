@@ -184,3 +184,74 @@ def test_evaluate_runs_held_out_seeds_greedy(tmp_path, monkeypatch):
     calls.clear()
     evaluate(engine, make_envs, tok, rcfg, 1, temperature=0.5)
     assert calls == [([EVAL_SEED_BASE], EVAL_SEED_BASE, 0.5, 1)]
+
+
+def test_metrics_log_resume_keeps_rows_without_a_step(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"note": "header"}\n{"step": 0}\n{"step": 1}\n')
+    MetricsLog(str(tmp_path), resume_step=1, tensorboard=False)
+    assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == [{"note": "header"}, {"step": 0}]
+
+
+def test_metrics_log_writes_tensorboard_under_the_run(tmp_path, monkeypatch):
+    """With tensorboard importable (faked here: it is not installed), scalars go to run_dir/tb by default."""
+    import sys
+    import types
+
+    writers = []
+
+    class SummaryWriter:
+        def __init__(self, logdir):
+            self.logdir, self.calls = logdir, []
+            writers.append(self)
+
+        def add_scalar(self, k, v, step):
+            self.calls.append((k, v, step))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=SummaryWriter))
+    log = MetricsLog(str(tmp_path))
+    assert log.tb is writers[0] and writers[0].logdir == os.path.join(str(tmp_path), "tb")
+    log.log(3, {"a": 1.0})
+    assert writers[0].calls == [("a", 1.0, 3)]
+    assert MetricsLog(str(tmp_path), tensorboard=False).tb is None and len(writers) == 1
+
+
+def test_metrics_log_writes_nothing_on_other_ranks(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, "world", lambda: (1, 2))
+    log = MetricsLog(str(tmp_path / "r"))
+    log.log(0, {"a": 1.0})
+    assert log.tb is None and not os.path.exists(tmp_path / "r")
+
+
+@pytest.mark.parametrize("err", [28, 5])  # ENOSPC, EIO
+def test_metrics_log_leaves_no_partial_line_when_a_write_fails(tmp_path, monkeypatch, err):
+    import builtins
+    import errno
+
+    log = MetricsLog(str(tmp_path), tensorboard=False)
+    log.log(0, {"a": 1.0})
+    before = (tmp_path / "metrics.jsonl").read_text()
+
+    class HalfWrite:
+        def __init__(self, f):
+            self.f = f
+
+        def __getattr__(self, k):
+            return getattr(self.f, k)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, s):
+            self.f.write(s[: len(s) // 2])
+            self.f.flush()
+            raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(trainer, "open", lambda *a, **k: HalfWrite(builtins.open(*a, **k)), raising=False)
+    with pytest.raises(OSError) as e:
+        log.log(1, {"a": 2.0})
+    assert e.value.errno == err
+    assert ("no space left" in str(e.value)) == (err == errno.ENOSPC)
+    assert (tmp_path / "metrics.jsonl").read_text() == before

@@ -48,7 +48,7 @@ def run(tmp_path_factory):
     recording every run_rollouts call, the actor after each iteration and the checkpoints."""
     tmp = tmp_path_factory.mktemp("fit")
     cfg = tiny_train_config(tmp / "run", steps=3, log_every=2, eval_every=2, checkpoint_every=2, gap_every=2, seed=7,
-                            group_size=2, temperature=0.9)
+                            group_size=2, temperature=0.9, rollouts_per_step=2)
     tok, make_envs, rcfg = demo.task(cfg)
     actor = demo.build(cfg, tok)
     state = make_state(cfg, actor, critic_from_actor(actor))
@@ -91,11 +91,12 @@ def test_fit_samples_each_iteration_with_its_own_seeds(run):
     assert run["out"] is run["state"] and run["state"].step == 4
     assert len(rec["calls"]) == 4
     for it, (seeds, seed, temperature, n_envs) in enumerate(rec["calls"]):
-        base = (7 * 100_003 + it) * 4
-        assert seeds == [(base + i) // 2 for i in range(4)]  # group_size 2: pairs share a task
+        base = (7 * 100_003 + it) * 2
+        assert seeds == [base // 2] * 2  # group_size 2: the pair shares a task
         assert seed == (7 * 100_003 + it) * 1009
-        assert temperature == 0.9 and n_envs == 4
-    assert rec["calls"][0][0] == trainer.train_seeds(cfg, 0, 0, 4)
+        assert temperature == 0.9 and n_envs == 2
+    assert rec["calls"][0][0] == trainer.train_seeds(cfg, 0, 0, 2)
+    assert trainer.train_seeds(cfg, 3, 1, 3) == [((7 * 100_003 + 3) * 2 + 3 + i) // 2 for i in range(3)]
 
 
 def test_value_pretraining_leaves_the_actor_then_ppo_moves_it(run):
@@ -117,7 +118,7 @@ def test_fit_metrics_rows(run):
     assert [r["actor_step"] for r in rows] == [0, 2, 3]
     assert all(r["threads"] == 3 for r in rows) and run["tuner"].steps == 4
     for r, ro in zip(rows, [rec["rollouts"][i] for i in (0, 2, 3)]):
-        assert r["task/n"] == 4
+        assert r["task/n"] == 2
         assert r["time/rollout_s"] > 0 and r["time/train_s"] > 0
         for k, v in rollout_metrics(ro).items():
             assert r[k] == pytest.approx(v)

@@ -42,11 +42,9 @@ class _Tuner:
         return contextlib.nullcontext(3)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def _run_fit(tmp):
     """fit over 1 value pre-training + 3 PPO iterations, log_every=2, eval_every=2, checkpoint_every=2, gap_every=2,
     recording every run_rollouts call, the actor after each iteration and the checkpoints."""
-    tmp = tmp_path_factory.mktemp("fit")
     cfg = tiny_train_config(tmp / "run", steps=3, log_every=2, eval_every=2, checkpoint_every=2, gap_every=2, seed=7,
                             group_size=2, temperature=0.9, rollouts_per_step=2)
     tok, make_envs, rcfg = demo.task(cfg)
@@ -86,7 +84,16 @@ def run(tmp_path_factory):
     return dict(cfg=cfg, state=state, out=out, rec=rec, rows=rows, progress=progress, tuner=tuner)
 
 
-def test_fit_samples_each_iteration_with_its_own_seeds(run):
+def test_fit_in_process(tmp_path):
+    """One fit run checked from every side (one test: mutation testing maps the run to the test that made it)."""
+    run = _run_fit(tmp_path)
+    _check_seeds(run)
+    _check_pretraining(run)
+    _check_rows(run)
+    _check_progress_and_checkpoints(run)
+
+
+def _check_seeds(run):
     cfg, rec = run["cfg"], run["rec"]
     assert run["out"] is run["state"] and run["state"].step == 4
     assert len(rec["calls"]) == 4
@@ -99,7 +106,7 @@ def test_fit_samples_each_iteration_with_its_own_seeds(run):
     assert trainer.train_seeds(cfg, 3, 1, 3) == [((7 * 100_003 + 3) * 2 + 3 + i) // 2 for i in range(3)]
 
 
-def test_value_pretraining_leaves_the_actor_then_ppo_moves_it(run):
+def _check_pretraining(run):
     a = run["rec"]["actor"]
     assert len(a) == 5
 
@@ -110,7 +117,7 @@ def test_value_pretraining_leaves_the_actor_then_ppo_moves_it(run):
     assert all(moved(a[i], a[i + 1]) for i in (1, 2, 3))
 
 
-def test_fit_metrics_rows(run):
+def _check_rows(run):
     rows, rec = run["rows"], run["rec"]
     # log_every=2: iterations 0 and 2, and the last one
     assert [r["step"] for r in rows] == [0, 2, 3]
@@ -130,7 +137,7 @@ def test_fit_metrics_rows(run):
     assert rows[1]["eval/step"] == 3 and "eval/step" not in rows[0] and "eval/step" not in rows[2]
 
 
-def test_fit_progress_and_checkpoints(run):
+def _check_progress_and_checkpoints(run):
     p = run["progress"]
     assert p.updates == [1, 1, 1, 1]
     assert [x["ph"] for x in p.postfix] == ["V", "PPO", "PPO", "PPO"]
@@ -256,3 +263,38 @@ def test_metrics_log_leaves_no_partial_line_when_a_write_fails(tmp_path, monkeyp
     assert e.value.errno == err
     assert ("no space left" in str(e.value)) == (err == errno.ENOSPC)
     assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
+def test_fit_on_rank_1_of_2_averages_rollout_metrics(tmp_path, monkeypatch):
+    """A faked two-rank world (see test_trainer._FakeWorld: the other rank's sums are this rank's plus 1):
+    rank 1 samples its own seeds, its fixed rollout metrics are averaged over the ranks, the environments'
+    keys stay its own, and every all-reduce carries the state's group."""
+    from .test_trainer import _FakeWorld
+
+    cfg = tiny_train_config(tmp_path / "run", steps=1, value_pretrain_steps=1, rollouts_per_step=2, seed=3)
+    tok, make_envs, rcfg = demo.task(cfg)
+    actor = demo.build(cfg, tok)
+    state = make_state(cfg, actor, critic_from_actor(actor), group="g")
+    engine = TransformersEngine(actor, pad_token_id=tok.pad_token_id)
+    calls, rollouts, rows = [], [], []
+    real_run = loop.run_rollouts
+
+    def run_rollouts(engine, envs, tokenizer, c, seeds, chat=None):
+        calls.append((list(seeds), c.seed, len(envs), chat))
+        return real_run(engine, envs, tokenizer, c, seeds)
+
+    class Log:
+        def log(self, step, metrics):
+            rows.append((step, dict(metrics)))
+
+    monkeypatch.setattr(loop, "run_rollouts", run_rollouts)
+    w = _FakeWorld(monkeypatch, rank=1)
+    fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=demo.packer(cfg),
+        run_dir=cfg.run_dir, log=Log(), metrics_fn=lambda r: rollouts.append(r) or {}, chat="chat")
+    assert [c[0] for c in calls] == [trainer.train_seeds(cfg, it, 1, 1) for it in range(2)]
+    assert [c[1:] for c in calls] == [((3 * 100_003 + it) * 1009 + 1, 1, "chat") for it in range(2)]
+    assert [r[0] for r in rows] == [0, 1]
+    for (_, m), ro in zip(rows, rollouts):
+        for k, v in rollout_metrics(ro).items():
+            assert m[k] == pytest.approx(v if k.startswith("info/") else (2 * v + 1) / 2)
+    assert w.calls and all(c[3] == "g" for c in w.calls)

@@ -183,7 +183,8 @@ def test_train_step_metric_values_equal_a_direct_computation(reduction, tis_cap)
     actor, critic = tiny_models()
     b = hand_batch()
     g = torch.Generator().manual_seed(1)
-    b.rollout_logprobs = -torch.rand(b.loss_mask.numel(), generator=g) - 1.0
+    # sampler log-probs from -7 to -1 around the actor's (~-3.5): the weight cap binds on some tokens only
+    b.rollout_logprobs = -6 * torch.rand(b.loss_mask.numel(), generator=g) - 1.0
     cfg = _cfg(temperature=0.7, max_grad_norm=1e-3, tis_cap=tis_cap, loss_reduction=reduction)
     state = make_state(cfg, actor, critic)
     a0, c0 = copy.deepcopy(actor), copy.deepcopy(critic)
@@ -198,6 +199,8 @@ def test_train_step_metric_values_equal_a_direct_computation(reduction, tis_cap)
     logp, ent = actor_logprobs(a0, b, idx, temperature=0.7, return_entropy=True)
     roll = b.rollout_logprobs[idx]
     w = torch.ones_like(logp) if tis_cap is None else torch.clamp(torch.exp(logp.detach() - roll), max=tis_cap)
+    if tis_cap is not None:
+        assert bool((w[m] == tis_cap).any()) and bool((w[m] < tis_cap).any())
     per_tok = -(w * adv[idx] * torch.exp(logp - logp.detach()))
     if reduction == "token-mean":
         pl = per_tok[m].sum() / m.sum()
@@ -272,6 +275,7 @@ def test_diagnostic_histograms_come_from_the_first_micro_batch():
     out = train_step(make_state(cfg, actor, critic), [b0, b1], update_actor=False)
     for k, v in lists.items():
         assert out[k] == v
+    assert "gap_abs_mean" not in out  # the paper-vs-stitched gap only when asked
 
 
 def test_split_rollouts_and_micro_batches():
@@ -372,9 +376,9 @@ class _FakeWorld:
     def __init__(self, monkeypatch, rank=0, backend="gloo"):
         from compactionrl_fast.train import trainer
 
-        self.calls = []
+        self.calls, self.backend_groups = [], []
         monkeypatch.setattr(trainer, "world", lambda: (rank, 2))
-        monkeypatch.setattr(trainer.dist, "get_backend", lambda group=None: backend)
+        monkeypatch.setattr(trainer.dist, "get_backend", lambda group=None: self.backend_groups.append(group) or backend)
         monkeypatch.setattr(trainer.dist, "all_reduce", self.all_reduce)
 
     def all_reduce(self, t, group=None):
@@ -392,7 +396,7 @@ def test_global_sum_and_all_reduce_grads_in_a_two_rank_world(monkeypatch):
     assert p[1].grad is None  # one process: untouched
     w = _FakeWorld(monkeypatch)
     assert global_sum(3, group="g") == 7.0
-    assert w.calls == [(torch.float64, "cpu", 1, "g")]
+    assert w.calls == [(torch.float64, "cpu", 1, "g")] and w.backend_groups == ["g"]
     all_reduce_grads(iter(p), group="g")  # one flat buffer [4 + 3 + 1]; the missing grad joins as zeros
     assert w.calls[-1] == (torch.float32, "cpu", 8, "g")
     assert p[0].grad.tolist() == [[3.0, 4.0], [5.0, 6.0]]
@@ -427,3 +431,89 @@ def test_evaluate_splits_seeds_over_ranks_and_averages(monkeypatch):
     assert m["reward"] == pytest.approx((3.0 + 4.0) / 7)
     assert m["compactions"] == pytest.approx((6.0 + 7.0) / 7) and m["summary_tokens"] == pytest.approx(25.0 / 7)
     assert m["info/acc"] == 0.5
+
+
+@pytest.mark.parametrize("change", [dict(clip_low=0.01), dict(clip_high=0.01), dict(dual_clip=1.001)])
+def test_each_clip_reaches_the_actor_loss(change):
+    """Two epochs (the second one off-policy): changing one clip setting changes the actor's update."""
+    b = hand_batch()
+    weights = []
+    for kw in ({}, change):
+        actor, critic = tiny_models()
+        train_step(make_state(_cfg(ppo_epochs=2, actor_lr=1e-2, **kw), actor, critic), [b], diagnose=False)
+        weights.append(copy.deepcopy(actor.state_dict()))
+    assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_optim_step_norm_and_reduction(monkeypatch):
+    from compactionrl_fast.train.trainer import _optim_step
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=1.0)
+    assert _optim_step([p], opt, 1.0, None) == 0.0  # no gradients: nothing to clip
+    p.grad = torch.tensor([3.0, 4.0, 0.0])
+    assert _optim_step([p], opt, None, None) == 5.0 and p.tolist() == [-3.0, -4.0, 0.0]
+    w = _FakeWorld(monkeypatch)
+    p.grad = torch.tensor([0.0, 0.0, 0.0])
+    assert _optim_step(iter([p]), opt, None, "g") == pytest.approx(float(torch.tensor([1.0, 2, 3]).norm()))
+    assert w.calls == [(torch.float32, "cpu", 3, "g")]
+
+
+def test_train_step_passes_the_group_to_every_reduction(monkeypatch):
+    import compactionrl_fast.ops as ops
+
+    groups = []
+    real_count, real_den = ops.global_token_count, ops.global_denominator
+
+    def count(mask, group=None, **kw):
+        groups.append(("count", group))
+        return real_count(mask, **kw)
+
+    def den(reduction, mask, group=None, **kw):
+        groups.append(("den", group))
+        return real_den(reduction, mask, **kw)
+
+    monkeypatch.setattr(ops, "global_token_count", count)
+    monkeypatch.setattr(ops, "global_denominator", den)
+    w = _FakeWorld(monkeypatch)
+    actor, critic = tiny_models()
+    train_step(make_state(_cfg(loss_reduction="segment-mean"), actor, critic, group="g"), [hand_batch()],
+               diagnose=False)
+    assert groups == [("count", "g"), ("den", "g")]  # critic (token-mean), actor (segment-mean)
+    assert len(w.calls) == 2 and all(c[3] == "g" for c in w.calls)  # the critic's and the actor's gradients
+
+
+def test_micro_batches_default_to_cpu_and_one_rollout_metrics():
+    from types import SimpleNamespace
+
+    from compactionrl_fast.rollout import Rollout
+    from compactionrl_fast.train.trainer import micro_batches, rollout_metrics
+
+    devices = []
+    pack = lambda g: SimpleNamespace(to=lambda d: devices.append(d) or d)  # noqa: E731
+    micro_batches([SimpleNamespace(segments=[[0]])], SimpleNamespace(ppo_minibatches=1, micro_batch_tokens=5), pack)
+    assert devices == ["cpu"]
+    m = rollout_metrics([Rollout(reward=0.5, compactions=3)])
+    assert m["reward"] == 0.5 and m["compactions"] == 3.0
+
+
+def test_evaluate_default_chunk_and_a_rank_without_rollouts(monkeypatch):
+    from types import SimpleNamespace
+
+    from compactionrl_fast.rollout import loop
+    from compactionrl_fast.train.trainer import evaluate
+
+    sizes = []
+
+    def run_rollouts(engine, envs, tok, c, seeds, chat=None):
+        sizes.append(len(seeds))
+        return [SimpleNamespace(reward=1.0, success=True, compactions=0, truncated=False, finish_reason="stop",
+                                turns=[], summary_lengths=[], info={}) for _ in seeds]
+
+    monkeypatch.setattr(loop, "run_rollouts", run_rollouts)
+    cfg = SimpleNamespace(replace=lambda **kw: SimpleNamespace(**kw))
+    evaluate(None, lambda n: [None] * n, None, cfg, 129, temperature=0.0)
+    assert sizes == [128, 1]
+    _FakeWorld(monkeypatch, rank=1)
+    m, ro = evaluate(None, lambda n: [None] * n, None, cfg, 1, temperature=0.0)  # rank 1 gets no seed of 1
+    assert ro == [] and m["reward"] == 1.0  # the other rank's sums (0 + 1) over its count (0 + 1)

@@ -4,6 +4,7 @@ checkpoint cadence; and `evaluate`."""
 import copy
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -43,16 +44,21 @@ class _Tuner:
 
 
 def _run_fit(tmp):
-    """fit over 1 value pre-training + 3 PPO iterations, log_every=2, eval_every=2, checkpoint_every=2, gap_every=2,
-    recording every run_rollouts call, the actor after each iteration and the checkpoints."""
-    cfg = tiny_train_config(tmp / "run", steps=3, log_every=2, eval_every=2, checkpoint_every=2, gap_every=2, seed=7,
-                            group_size=2, temperature=0.9, rollouts_per_step=2)
+    """fit over 1 value pre-training + 3 PPO iterations, log_every=2, eval_every=3, checkpoint_every=2, gap_every=2,
+    2 mini-batches, recording every run_rollouts and train_step call, the actor after each iteration and the
+    checkpoints."""
+    cfg = tiny_train_config(tmp / "run", steps=3, log_every=2, eval_every=3, checkpoint_every=2, gap_every=2, seed=7,
+                            group_size=2, temperature=0.9, rollouts_per_step=2, ppo_minibatches=2)
     tok, make_envs, rcfg = demo.task(cfg)
     actor = demo.build(cfg, tok)
     state = make_state(cfg, actor, critic_from_actor(actor))
     engine = TransformersEngine(actor, pad_token_id=tok.pad_token_id)
-    rec = dict(calls=[], actor=[copy.deepcopy(actor.state_dict())], rollouts=[], evals=[], saves=[])
-    real_run, real_save = loop.run_rollouts, trainer.save_state
+    rec = dict(calls=[], actor=[copy.deepcopy(actor.state_dict())], rollouts=[], evals=[], saves=[], steps=[])
+    real_run, real_save, real_step = loop.run_rollouts, trainer.save_state, trainer.train_step
+
+    def train_step(state, batches, **kw):
+        rec["steps"].append((len(batches), kw))
+        return real_step(state, batches, **kw)
 
     def run_rollouts(engine, envs, tokenizer, c, seeds, chat=None):
         rec["calls"].append((list(seeds), c.seed, c.temperature, len(envs)))
@@ -75,13 +81,16 @@ def _run_fit(tmp):
     mp = pytest.MonkeyPatch()
     mp.setattr(loop, "run_rollouts", run_rollouts)
     mp.setattr(trainer, "save_state", save_state)
+    mp.setattr(trainer, "train_step", train_step)
+    t0 = time.perf_counter()
     try:
         out = fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=demo.packer(cfg),
                   run_dir=cfg.run_dir, progress=progress, eval_fn=eval_fn, metrics_fn=metrics_fn, tuner=tuner)
     finally:
         mp.undo()
+    elapsed = time.perf_counter() - t0
     rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
-    return dict(cfg=cfg, state=state, out=out, rec=rec, rows=rows, progress=progress, tuner=tuner)
+    return dict(cfg=cfg, state=state, out=out, rec=rec, rows=rows, progress=progress, tuner=tuner, elapsed=elapsed)
 
 
 def test_fit_in_process(tmp_path):
@@ -126,15 +135,23 @@ def _check_rows(run):
     assert all(r["threads"] == 3 for r in rows) and run["tuner"].steps == 4
     for r, ro in zip(rows, [rec["rollouts"][i] for i in (0, 2, 3)]):
         assert r["task/n"] == 2
+        # durations of parts of the run: positive, together at most the whole run
         assert r["time/rollout_s"] > 0 and r["time/train_s"] > 0
+        assert r["time/rollout_s"] + r["time/train_s"] <= run["elapsed"]
         for k, v in rollout_metrics(ro).items():
             assert r[k] == pytest.approx(v)
     # the actor's metrics only in PPO iterations; the gap (gap_every=2) at iterations 0 and 2 only
     assert "actor/policy_loss" not in rows[0] and "actor/policy_loss" in rows[1] and "actor/grad_norm" in rows[2]
     assert "gap_abs_mean" in rows[0] and "gap_abs_mean" in rows[1] and "gap_abs_mean" not in rows[2]
-    # eval_every=2 counts actor steps: after actor step 2 (iteration 2, state.step 3), not in pre-training
-    assert rec["evals"] == [3]
-    assert rows[1]["eval/step"] == 3 and "eval/step" not in rows[0] and "eval/step" not in rows[2]
+    # eval_every=3 counts actor steps: after actor step 3 (iteration 3, state.step 4), not in pre-training
+    assert rec["evals"] == [4]
+    assert rows[2]["eval/step"] == 4 and "eval/step" not in rows[0] and "eval/step" not in rows[1]
+    # train_step: one micro-batch per mini-batch (2 rollouts, 2 mini-batches), the actor from iteration 1,
+    # the gap at iterations 0 and 2
+    assert [n for n, _ in rec["steps"]] == [2] * 4
+    assert [kw["minibatches"] for _, kw in rec["steps"]] == [[[0], [1]]] * 4
+    assert [kw["update_actor"] for _, kw in rec["steps"]] == [False, True, True, True]
+    assert [kw["gap"] for _, kw in rec["steps"]] == [True, False, True, False]
 
 
 def _check_progress_and_checkpoints(run):

@@ -30,13 +30,20 @@ MODULES = {
     "ops/gae": ["tests/ops/test_gae.py", "tests/ops/test_skeleton.py"],
     "ops/_reduction": ["tests/ops/test_ppo_loss.py", "tests/ops/test_value_loss.py", "tests/ops/test_skeleton.py",
                        "tests/test_distributed.py"],
+    # the checks and the backend choice, called directly (fast; tests/ops/test_skeleton.py reaches them too, slowly)
+    "ops/_validate": ["tests/ops/test_validate.py"],
+    "ops/_dispatch": ["tests/ops/test_validate.py"],
     "integrations/layout": ["tests/integrations/test_layout.py", "tests/integrations/test_padded.py"],
     "integrations/verl": ["tests/integrations/test_verl.py"],
+    "integrations/openrlhf": ["tests/integrations/test_openrlhf.py", "tests/integrations/test_padded.py"],
+    "integrations/trl": ["tests/integrations/test_trl.py", "tests/integrations/test_padded.py"],
+    "integrations/_common": ["tests/integrations/test_common.py", "tests/integrations/test_openrlhf.py",
+                             "tests/integrations/test_trl.py", "tests/integrations/test_verl.py"],
     "train/checkpoint": ["tests/train/test_checkpoint.py", "tests/train/test_io.py"],
     # without test_faults.py and test_smoke.py: they train in subprocesses (mutants are not visible there)
     # and take a minute
-    "train/trainer": ["tests/train/test_trainer.py", "tests/train/test_checkpoint.py", "tests/train/test_config.py",
-                      "tests/train/test_diagnostics.py"],
+    "train/trainer": ["tests/train/test_trainer.py", "tests/train/test_fit.py", "tests/train/test_checkpoint.py",
+                      "tests/train/test_config.py", "tests/train/test_diagnostics.py"],
 }
 
 

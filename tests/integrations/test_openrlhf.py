@@ -51,7 +51,8 @@ def test_gae_on_compacted_batches_equals_packed_op(case):
 
 LOSS_SETTINGS = {
     "symmetric": dict(),
-    "asymmetric_dual": dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0),
+    # clip_eps_low differs from every default; the dual clip binds (ratios up to ~2.5 with A < 0)
+    "asymmetric_dual": dict(clip_eps_low=0.1, clip_eps_high=0.28, dual_clip=1.5),
     "seq_mean": dict(token_level_loss=False),
     "tis": dict(is_correction_level="token", is_correction_mode="clip", is_correction_gating="ratio",
                 is_correction_threshold=(0.0, 1.2)),
@@ -76,7 +77,8 @@ def _restated_kwargs(setting):
 
 
 @pytest.mark.parametrize("setting", list(LOSS_SETTINGS))
-@pytest.mark.parametrize("agg", [{}, dict(dp_size=2, batch_num_tokens=180.0, global_batch_size=7.0)])
+@pytest.mark.parametrize("agg", [{}, dict(dp_size=2, batch_num_tokens=180.0, global_batch_size=7.0),
+                                 dict(batch_num_tokens=90.0, global_batch_size=3.0)])
 def test_policy_loss_equals_openrlhf(setting, agg):
     old, logp, adv, roll, mask = _loss_inputs()
     loss, clip_ratio, ppo_kl, vllm_kl, filtered = O.PolicyLoss(**LOSS_SETTINGS[setting])(
@@ -90,7 +92,72 @@ def test_policy_loss_equals_openrlhf(setting, agg):
     torch.testing.assert_close(g.double(), wg.double(), rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(clip_ratio.double(), want_clip, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(ppo_kl.double(), want_kl, rtol=1e-5, atol=1e-7)
-    assert (vllm_kl is None) == (setting != "tis")
+    assert (vllm_kl is None) == (setting != "tis") and (filtered is None) == (setting != "tis")
+    if setting == "tis":
+        m = mask.bool()
+        torch.testing.assert_close(vllm_kl.double(), (roll - old)[m].double().mean(), rtol=1e-5, atol=1e-7)
+        frac = ((old - roll).exp() > 1.2)[m].double().mean()
+        assert 0 < float(frac) < 1
+        torch.testing.assert_close(filtered.double(), frac, rtol=1e-6, atol=1e-7)
+
+
+def test_every_clip_binds_on_the_test_batch():
+    """The restated loss changes when any clip of the settings is removed: the comparisons above see each."""
+    old, logp, adv, roll, mask = _loss_inputs()
+    kw, _ = _restated_kwargs("asymmetric_dual")
+    base = peers.openrlhf_policy_loss(logp, old, adv, mask, **kw)[0]
+    for change in (dict(dual_clip=None), dict(clip_low=0.2), dict(clip_high=0.2)):
+        assert not torch.allclose(peers.openrlhf_policy_loss(logp, old, adv, mask, **{**kw, **change})[0], base)
+
+
+def test_policy_loss_without_action_mask_uses_every_token():
+    old, logp, adv, _, _ = _loss_inputs()
+    loss_fn = O.PolicyLoss()
+    got = loss_fn(logp, old, adv)
+    want = loss_fn(logp, old, adv, action_mask=torch.ones(logp.shape))
+    for a, b in zip(got[:3], want[:3]):
+        torch.testing.assert_close(a, b)
+
+
+def test_filter_ratio_counts_weights_strictly_above_the_cap():
+    old, logp, adv, _, mask = _loss_inputs()
+    roll = old.clone()
+    roll[:, ::2] -= 0.5  # weight e^0.5 > 1 here; exactly 1 (= the cap) elsewhere
+    out = O.PolicyLoss(is_correction_level="token", is_correction_mode="clip", is_correction_threshold=(0.0, 1.0))(
+        logp, old, adv, action_mask=mask, rollout_log_probs=roll)
+    m = mask.bool()
+    want = torch.zeros(mask.shape, dtype=torch.bool)
+    want[:, ::2] = True
+    torch.testing.assert_close(out[4].double(), want[m].double().mean())
+
+
+def test_policy_loss_settings_accepted_and_refused():
+    # gating defaults to "ratio"; the dual clip only needs to exceed 1
+    p = O.PolicyLoss(is_correction_level="token", is_correction_mode="clip", is_correction_threshold=[0, 2.0],
+                     dual_clip=1.01)
+    assert p.tis_cap == 2.0 and p.is_correction_threshold == (0, 2.0) and p.dual_clip == 1.01
+    with pytest.raises(ValueError, match="dual_clip"):
+        O.PolicyLoss(dual_clip=1.0)
+    for kw in (dict(is_correction_level="seq", is_correction_mode="clip", is_correction_threshold=(0.0, 2.0)),
+               dict(is_correction_level="token", is_correction_mode="clip", is_correction_threshold=(0.5, 2.0))):
+        with pytest.raises(ValueError, match="is_correction"):
+            O.PolicyLoss(**kw)
+
+
+def test_tensor_arguments_are_checked_by_name():
+    old, logp, adv, roll, mask = _loss_inputs()
+    tis = O.PolicyLoss(is_correction_level="token", is_correction_mode="clip", is_correction_threshold=(0.0, 2.0))
+    bad = torch.zeros(2, 3)
+    cases = [("log_probs", (bad, old, adv)), ("old_log_probs", (logp, bad, adv)), ("advantages", (logp, old, bad))]
+    for name, args in cases:
+        with pytest.raises(ValueError, match=f"^{name} must have shape"):
+            tis(*args, action_mask=mask, rollout_log_probs=roll)
+    with pytest.raises(ValueError, match="^rollout_log_probs must have shape"):
+        tis(logp, old, adv, action_mask=mask, rollout_log_probs=bad)
+    with pytest.raises(ValueError, match="^rollout_log_probs is required"):
+        tis(logp, old, adv, action_mask=mask)
+    with pytest.raises(ValueError, match="^action_mask"):
+        tis(logp, old, adv, action_mask=mask * 2, rollout_log_probs=roll)
 
 
 def test_policy_loss_unsupported_settings_raise():
@@ -155,5 +222,9 @@ def test_scalar_arguments_are_checked_by_name():
         O.PolicyLoss(clip_eps_low=None)
     with pytest.raises(TypeError, match="dual_clip must be a number"):
         O.PolicyLoss(dual_clip="3")
+    with pytest.raises(TypeError, match="^clip_eps_high must be a number"):
+        O.PolicyLoss(clip_eps_high="0.2")
+    with pytest.raises(TypeError, match=r"^is_correction_threshold\[1\] must be a number"):
+        O.PolicyLoss(is_correction_level="token", is_correction_mode="clip", is_correction_threshold=(0.0, "2"))
     with pytest.raises(TypeError, match="clip_eps must be a number"):
         O.ValueLoss(clip_eps="0.2")

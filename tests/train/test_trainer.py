@@ -65,6 +65,7 @@ def test_micro_batches_equal_one_batch():
     for k in outs[0][1]:
         torch.testing.assert_close(outs[0][1][k], outs[1][1][k], atol=1e-6, rtol=1e-5)
     assert abs(outs[0][2]["actor/policy_loss"] - outs[1][2]["actor/policy_loss"]) < 1e-6
+    assert outs[0][2]["critic/value_loss"] == pytest.approx(outs[1][2]["critic/value_loss"], rel=1e-5)
 
 
 def test_ablation_takes_summary_tokens_out_of_the_policy_loss_only():
@@ -163,3 +164,356 @@ def test_concat_layout_and_denominator_over_micro_batches():
     assert denominator([b1, b2], off, "token-mean") == denominator([b1, b2], off, "segment-mean") == 1  # >= 1
     mask, cu_seq, cu_seg = concat_layout([], [torch.zeros(0, dtype=torch.bool)])
     assert cu_seq.tolist() == cu_seg.tolist() == [0]
+
+
+def _grad_norm(params):
+    return float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None)))
+
+
+def _token_rollout(b, idx):
+    """Rollout index [N] of each selected position."""
+    seg = torch.searchsorted(b.cu_seqlens, idx, right=True) - 1
+    return torch.searchsorted(b.cu_segments, seg, right=True) - 1
+
+
+@pytest.mark.parametrize("reduction,tis_cap", [("token-mean", None), ("rollout-mean", 1.1), ("token-mean", 1.1)])
+def test_train_step_metric_values_equal_a_direct_computation(reduction, tis_cap):
+    """Every metric of one step (one micro-batch, one epoch: ratio 1) against the losses written out by hand on
+    copies of the models taken before the step; the clipped gradients after it have norm max_grad_norm."""
+    actor, critic = tiny_models()
+    b = hand_batch()
+    g = torch.Generator().manual_seed(1)
+    # sampler log-probs from -7 to -1 around the actor's (~-3.5): the weight cap binds on some tokens only
+    b.rollout_logprobs = -6 * torch.rand(b.loss_mask.numel(), generator=g) - 1.0
+    cfg = _cfg(temperature=0.7, max_grad_norm=1e-3, tis_cap=tis_cap, loss_reduction=reduction)
+    state = make_state(cfg, actor, critic)
+    a0, c0 = copy.deepcopy(actor), copy.deepcopy(critic)
+    idx = action_index(b.loss_mask, b.cu_attn)
+    m = b.loss_mask[idx]
+    # critic: 0.5 * token mean of (v - R)^2 (the old values are v: no clipping)
+    v = critic_values(c0, b, idx)
+    adv, ret = advantages(b, torch.zeros(b.loss_mask.numel()).index_put_((idx,), v.detach()), cfg)
+    vl = 0.5 * ((v - ret[idx]) ** 2)[m].sum() / m.sum()
+    vl.backward()
+    # actor: ratio 1, loss -(w * A * ratio) reduced per token or per rollout; w the truncated importance weight
+    logp, ent = actor_logprobs(a0, b, idx, temperature=0.7, return_entropy=True)
+    roll = b.rollout_logprobs[idx]
+    w = torch.ones_like(logp) if tis_cap is None else torch.clamp(torch.exp(logp.detach() - roll), max=tis_cap)
+    if tis_cap is not None:
+        assert bool((w[m] == tis_cap).any()) and bool((w[m] < tis_cap).any())
+    per_tok = -(w * adv[idx] * torch.exp(logp - logp.detach()))
+    if reduction == "token-mean":
+        pl = per_tok[m].sum() / m.sum()
+    else:
+        r = _token_rollout(b, idx)[m]
+        R = int(r.max()) + 1
+        n_r = torch.zeros(R).index_add_(0, r, torch.ones(r.numel()))
+        s_r = torch.zeros(R).index_add_(0, r, per_tok[m])
+        pl = (s_r[n_r > 0] / n_r[n_r > 0]).sum() / int((n_r > 0).sum())
+    pl.backward()
+    lr = logp.detach()[m] - roll[m]
+
+    out = train_step(state, [b], diagnose=False)
+    assert out["critic/value_loss"] == pytest.approx(float(vl.detach()), rel=1e-5)
+    assert out["critic_grad_norm"] == pytest.approx(_grad_norm(c0.parameters()), rel=1e-4)
+    assert out["actor/policy_loss"] == pytest.approx(float(pl.detach()), rel=1e-5, abs=1e-7)
+    assert out["actor/grad_norm"] == pytest.approx(_grad_norm(a0.parameters()), rel=1e-4)
+    assert out["actor/rollout_kl"] == pytest.approx(float((torch.expm1(lr) - lr).mean()), rel=1e-5)
+    assert out["actor/rollout_logp_absdiff_max"] == pytest.approx(float(lr.abs().max()), rel=1e-6)
+    assert out["actor/entropy"] == pytest.approx(float(ent.detach()[m].mean()), rel=1e-5)
+    assert out["actor/clip_fraction"] == 0.0 and out["actor/ratio_max"] == pytest.approx(1.0)
+    assert "critic/clip_fraction" in out
+    # the step clipped both gradients (left in place) to max_grad_norm
+    assert out["actor/grad_norm"] > 1e-3 and out["critic_grad_norm"] > 1e-3
+    assert _grad_norm(actor.parameters()) == pytest.approx(1e-3, rel=1e-4)
+    assert _grad_norm(critic.parameters()) == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_critic_updates_zero_and_value_clip():
+    b = hand_batch()
+    actor, critic = tiny_models()
+    before = copy.deepcopy(critic.state_dict())
+    out = train_step(make_state(_cfg(critic_updates_per_step=0), actor, critic), [b], diagnose=False)
+    assert "critic_grad_norm" not in out and out["critic/value_loss"] > 0
+    for k, v in critic.state_dict().items():
+        assert torch.equal(v, before[k])
+    # a second critic update sees old values != current ones: a binding value clip changes that update
+    weights = []
+    for clip in (None, 1e-4):
+        actor, critic = tiny_models()
+        train_step(make_state(_cfg(critic_updates_per_step=2, value_clip=clip), actor, critic), [b],
+                   update_actor=False, diagnose=False)
+        weights.append(critic.weight.detach().clone())
+    assert not torch.equal(weights[0], weights[1])
+
+
+def test_two_epochs_of_one_minibatch_move_off_the_behaviour_policy():
+    b = hand_batch()
+    actor, critic = tiny_models()
+    m = train_step(make_state(_cfg(ppo_epochs=2, actor_lr=3e-3), actor, critic), [b], diagnose=False)
+    assert m["actor/ratio_max"] > 1 and m["actor/approx_kl"] > 0
+    # the behaviour log-probs are taken at the sampling temperature: with an actor that barely moves, the
+    # ratio stays 1
+    actor, critic = tiny_models()
+    m = train_step(make_state(_cfg(ppo_epochs=2, actor_lr=1e-12, temperature=0.6), actor, critic), [b], diagnose=False)
+    assert m["actor/ratio_max"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_diagnostic_histograms_come_from_the_first_micro_batch():
+    from compactionrl_fast.train import diagnostics
+
+    b0, b1 = hand_batch(seed=0), hand_batch(seed=1, rollouts=((6, 8), (10, 5, 7)))
+    actor, critic = tiny_models()
+    cfg = _cfg()
+    idx = action_index(b0.loss_mask, b0.cu_attn)
+    with torch.no_grad():
+        values = torch.zeros(b0.loss_mask.numel()).index_put_((idx,), critic_values(critic, b0, idx))
+    adv, ret = advantages(b0, values, cfg)
+    want = diagnostics.batch_diagnostics(b0, adv, values, ret, cfg)
+    lists = {k: v for k, v in want.items() if isinstance(v, list)}
+    assert lists
+    out = train_step(make_state(cfg, actor, critic), [b0, b1], update_actor=False)
+    for k, v in lists.items():
+        assert out[k] == v
+    assert "gap_abs_mean" not in out  # the paper-vs-stitched gap only when asked
+
+
+def test_split_rollouts_and_micro_batches():
+    from types import SimpleNamespace
+
+    from compactionrl_fast.train.trainer import micro_batches, split_rollouts
+
+    ro = lambda *segs: SimpleNamespace(segments=[[0] * n for n in segs], n=sum(segs))  # noqa: E731
+    sizes = lambda groups: [[r.n for r in g] for g in groups]  # noqa: E731
+    assert sizes(split_rollouts([ro(1, 2), ro(4), ro(2), ro(6), ro(1)], 7)) == [[3, 4], [2], [6, 1]]
+    assert sizes(split_rollouts([ro(10), ro(1), ro(9)], 5)) == [[10], [1], [9]]  # alone when over the limit
+    assert split_rollouts([], 5) == []
+
+    class Packed:
+        def __init__(self, g):
+            self.sizes, self.device = [r.n for r in g], None
+
+        def to(self, device):
+            self.device = device
+            return self
+
+    rollouts = [ro(n) for n in (3, 3, 3, 3, 3)]
+    for k, tokens, want_sizes, want_groups in [
+        (2, 6, [[3, 3], [3, 3], [3]], [[0], [1, 2]]),
+        (1, 9, [[3, 3, 3], [3, 3]], [[0, 1]]),
+        (9, 100, [[3]] * 5, [[0], [1], [2], [3], [4]]),  # at most one mini-batch per rollout
+    ]:
+        cfg = SimpleNamespace(ppo_minibatches=k, micro_batch_tokens=tokens)
+        batches, groups = micro_batches(rollouts, cfg, Packed, device="meta")
+        assert [b.sizes for b in batches] == want_sizes and groups == want_groups
+        assert all(b.device == "meta" for b in batches)
+
+
+def test_make_state_passes_the_optimiser_settings():
+    actor, critic = tiny_models()
+    cfg = _cfg(actor_lr=2e-4, critic_lr=5e-3, adam_betas=(0.8, 0.9), adam_eps=1e-5, weight_decay=0.01)
+    state = make_state(cfg, actor, critic, group="g")
+    assert state.group == "g" and state.step == 0
+    for opt, lr, model in ((state.opt_actor, 2e-4, actor), (state.opt_critic, 5e-3, critic)):
+        pg = opt.param_groups[0]
+        assert (pg["lr"], pg["betas"], pg["eps"], pg["weight_decay"]) == (lr, (0.8, 0.9), 1e-5, 0.01)
+        assert [id(p) for p in pg["params"]] == [id(p) for p in model.parameters()]
+
+
+def test_save_and_load_state_keep_the_extras(tmp_path):
+    from compactionrl_fast.train import checkpoint
+    from compactionrl_fast.train.trainer import load_state, save_state
+
+    state = make_state(_cfg(), *tiny_models())
+    state.step, state.extra = 5, {"sft_done": True}
+    save_state(state, str(tmp_path))
+    other = make_state(_cfg(), *tiny_models(seed=1))
+    load_state(other, str(tmp_path))
+    assert other.step == 5 and other.extra == {"sft_done": True}
+    info = checkpoint.load(str(tmp_path), models={"actor": other.actor, "critic": other.critic},
+                           optimizers={"actor": other.opt_actor, "critic": other.opt_critic})
+    assert info["extra"]["config"]["actor_lr"] == 1e-3
+
+
+def test_token_weighted_mean():
+    from compactionrl_fast.train.trainer import _Mean
+
+    acc = _Mean()
+    acc.add({"a": torch.tensor(1.0), "b": float("nan"), "c": 4.0}, 1.0)
+    acc.add({"a": 3, "c": 1.0}, 3.0)
+    acc.add({"d": 2.0}, 0.0)  # weight 0: no value
+    assert acc.result("x/") == {"x/a": 2.5, "x/c": 1.75}
+
+
+def test_read_rows_skips_cut_and_foreign_lines(tmp_path):
+    from compactionrl_fast.train.trainer import read_rows
+
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 0}\n{"step": 1, "x"\n[1, 2]\n{"step": 2}\n')
+    assert read_rows(str(p)) == [{"step": 0}, {"step": 2}]
+
+
+def test_metrics_log_sends_finite_numbers_to_tensorboard(tmp_path):
+    from compactionrl_fast.train.trainer import MetricsLog
+
+    class TB:
+        def __init__(self):
+            self.calls = []
+
+        def add_scalar(self, k, v, step):
+            self.calls.append((k, v, step))
+
+    log = MetricsLog(str(tmp_path), tensorboard=False)
+    log.tb = TB()
+    log.log(7, {"a": 1.5, "b": float("inf"), "c": True, "d": "x", "e": 2, "f": [1.0]})
+    assert log.tb.calls == [("a", 1.5, 7), ("e", 2, 7)]
+
+
+class _FakeWorld:
+    """Rank `rank` of 2 for trainer.world / dist: all_reduce adds the other rank's tensor, which is this
+    one's plus 1, 2, 3, ... by position (known, so the sum tells where each value went)."""
+
+    def __init__(self, monkeypatch, rank=0, backend="gloo"):
+        from compactionrl_fast.train import trainer
+
+        self.calls, self.backend_groups = [], []
+        monkeypatch.setattr(trainer, "world", lambda: (rank, 2))
+        monkeypatch.setattr(trainer.dist, "get_backend", lambda group=None: self.backend_groups.append(group) or backend)
+        monkeypatch.setattr(trainer.dist, "all_reduce", self.all_reduce)
+
+    def all_reduce(self, t, group=None):
+        self.calls.append((t.dtype, t.device.type, t.numel(), group))
+        t.add_(t + torch.arange(1, t.numel() + 1, dtype=t.dtype))
+
+
+def test_global_sum_and_all_reduce_grads_in_a_two_rank_world(monkeypatch):
+    from compactionrl_fast.train.trainer import all_reduce_grads, global_sum
+
+    assert global_sum(2.5) == 2.5 and isinstance(global_sum(True), float)  # one process: itself
+    p = [torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(1))]
+    p[0].grad, p[2].grad = torch.full((2, 2), 1.0), torch.full((1,), 5.0)
+    all_reduce_grads(p)
+    assert p[1].grad is None  # one process: untouched
+    w = _FakeWorld(monkeypatch)
+    assert global_sum(3, group="g") == 7.0
+    assert w.calls == [(torch.float64, "cpu", 1, "g")] and w.backend_groups == ["g"]
+    all_reduce_grads(iter(p), group="g")  # one flat buffer [4 + 3 + 1]; the missing grad joins as zeros
+    assert w.calls[-1] == (torch.float32, "cpu", 8, "g")
+    assert p[0].grad.tolist() == [[3.0, 4.0], [5.0, 6.0]]
+    assert p[1].grad.tolist() == [5.0, 6.0, 7.0]
+    assert p[2].grad.tolist() == [18.0]
+    n = len(w.calls)
+    all_reduce_grads([])
+    assert len(w.calls) == n  # nothing to reduce
+
+
+def test_evaluate_splits_seeds_over_ranks_and_averages(monkeypatch):
+    from types import SimpleNamespace
+
+    from compactionrl_fast.rollout import loop
+    from compactionrl_fast.train.trainer import evaluate
+
+    calls = []
+
+    def run_rollouts(engine, envs, tok, c, seeds, chat=None):
+        calls.append((list(seeds), c.seed, c.temperature, chat))
+        return [SimpleNamespace(reward=1.0, success=True, compactions=2, truncated=False, finish_reason="stop",
+                                turns=[1], summary_lengths=[4], info={"acc": 0.5}) for _ in seeds]
+
+    cfg = SimpleNamespace(replace=lambda **kw: SimpleNamespace(**kw))
+    monkeypatch.setattr(loop, "run_rollouts", run_rollouts)
+    _FakeWorld(monkeypatch, rank=1)
+    m, ro = evaluate(None, lambda n: [None] * n, None, cfg, 7, temperature=0.3, seed_base=10, chunk=2, chat="c")
+    assert calls == [([11, 13], 11, 0.3, "c"), ([15], 11, 0.3, "c")]
+    assert len(ro) == 3
+    # the other rank holds 3 + 1 rollouts and the sums plus 1: fixed keys averaged over 7 rollouts,
+    # the environments' keys stay this rank's
+    assert m["reward"] == pytest.approx((3.0 + 4.0) / 7)
+    assert m["compactions"] == pytest.approx((6.0 + 7.0) / 7) and m["summary_tokens"] == pytest.approx(25.0 / 7)
+    assert m["info/acc"] == 0.5
+
+
+@pytest.mark.parametrize("change", [dict(clip_low=0.01), dict(clip_high=0.01), dict(dual_clip=1.001)])
+def test_each_clip_reaches_the_actor_loss(change):
+    """Two epochs (the second one off-policy): changing one clip setting changes the actor's update."""
+    b = hand_batch()
+    weights = []
+    for kw in ({}, change):
+        actor, critic = tiny_models()
+        train_step(make_state(_cfg(ppo_epochs=2, actor_lr=1e-2, **kw), actor, critic), [b], diagnose=False)
+        weights.append(copy.deepcopy(actor.state_dict()))
+    assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_optim_step_norm_and_reduction(monkeypatch):
+    from compactionrl_fast.train.trainer import _optim_step
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=1.0)
+    assert _optim_step([p], opt, 1.0, None) == 0.0  # no gradients: nothing to clip
+    p.grad = torch.tensor([3.0, 4.0, 0.0])
+    assert _optim_step([p], opt, None, None) == 5.0 and p.tolist() == [-3.0, -4.0, 0.0]
+    w = _FakeWorld(monkeypatch)
+    p.grad = torch.tensor([0.0, 0.0, 0.0])
+    assert _optim_step(iter([p]), opt, None, "g") == pytest.approx(float(torch.tensor([1.0, 2, 3]).norm()))
+    assert w.calls == [(torch.float32, "cpu", 3, "g")]
+
+
+def test_train_step_passes_the_group_to_every_reduction(monkeypatch):
+    import compactionrl_fast.ops as ops
+
+    groups = []
+    real_count, real_den = ops.global_token_count, ops.global_denominator
+
+    def count(mask, group=None, **kw):
+        groups.append(("count", group))
+        return real_count(mask, **kw)
+
+    def den(reduction, mask, group=None, **kw):
+        groups.append(("den", group))
+        return real_den(reduction, mask, **kw)
+
+    monkeypatch.setattr(ops, "global_token_count", count)
+    monkeypatch.setattr(ops, "global_denominator", den)
+    w = _FakeWorld(monkeypatch)
+    actor, critic = tiny_models()
+    train_step(make_state(_cfg(loss_reduction="segment-mean"), actor, critic, group="g"), [hand_batch()],
+               diagnose=False)
+    assert groups == [("count", "g"), ("den", "g")]  # critic (token-mean), actor (segment-mean)
+    assert len(w.calls) == 2 and all(c[3] == "g" for c in w.calls)  # the critic's and the actor's gradients
+
+
+def test_micro_batches_default_to_cpu_and_one_rollout_metrics():
+    from types import SimpleNamespace
+
+    from compactionrl_fast.rollout import Rollout
+    from compactionrl_fast.train.trainer import micro_batches, rollout_metrics
+
+    devices = []
+    pack = lambda g: SimpleNamespace(to=lambda d: devices.append(d) or d)  # noqa: E731
+    micro_batches([SimpleNamespace(segments=[[0]])], SimpleNamespace(ppo_minibatches=1, micro_batch_tokens=5), pack)
+    assert devices == ["cpu"]
+    m = rollout_metrics([Rollout(reward=0.5, compactions=3)])
+    assert m["reward"] == 0.5 and m["compactions"] == 3.0
+
+
+def test_evaluate_default_chunk_and_a_rank_without_rollouts(monkeypatch):
+    from types import SimpleNamespace
+
+    from compactionrl_fast.rollout import loop
+    from compactionrl_fast.train.trainer import evaluate
+
+    sizes = []
+
+    def run_rollouts(engine, envs, tok, c, seeds, chat=None):
+        sizes.append(len(seeds))
+        return [SimpleNamespace(reward=1.0, success=True, compactions=0, truncated=False, finish_reason="stop",
+                                turns=[], summary_lengths=[], info={}) for _ in seeds]
+
+    monkeypatch.setattr(loop, "run_rollouts", run_rollouts)
+    cfg = SimpleNamespace(replace=lambda **kw: SimpleNamespace(**kw))
+    evaluate(None, lambda n: [None] * n, None, cfg, 129, temperature=0.0)
+    assert sizes == [128, 1]
+    _FakeWorld(monkeypatch, rank=1)
+    m, ro = evaluate(None, lambda n: [None] * n, None, cfg, 1, temperature=0.0)  # rank 1 gets no seed of 1
+    assert ro == [] and m["reward"] == 1.0  # the other rank's sums (0 + 1) over its count (0 + 1)

@@ -6,7 +6,10 @@ token and A of the returns' recurrence, as an affine map (the math of csrc/commo
   masked t:     the identity;  the last token of a segment where the recurrence stops (every segment
   end for "none"/"paper", rollout ends for "stitched"): the zero map first, then its own map.
 with gl = gamma*lam_s, glc = gamma*lam_critic (or gl). A token range is the composition of its maps
-(`_compose`), so the recurrence splits into independent pieces.
+(`_compose`), so the recurrence splits into independent pieces. A map also carries a flag f = 1 when the
+recurrence stops inside its range: composing after it, or applying it to a carry, then selects instead of
+multiplying by its zero coefficients, so a NaN or inf of a later recurrence never leaks into an earlier one
+(0 * NaN), as in the C++ scan.
 
 The token range [0, T) is cut into chunks and chunks into BLOCK-token blocks; both may span segments
 and rollouts (each lane finds its segment by bisection over `cu_seqlens`). A block is loaded in
@@ -40,22 +43,36 @@ from .segments import device_guard
 ACC = tl.float64  # accumulation dtype of the maps and carries (see the module docstring)
 LAM_CONST, LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT, LAM_TENSOR = 0, 1, 2, 3  # as compactionrl_fast/ops/gae.py
 CROSS_NONE, CROSS_PAPER, CROSS_STITCHED = 0, 1, 2
-N_MAP = 8  # a chunk map: (xa, ya, pa, z, q, xc, yc, pc), see _compose
+N_MAP = 9  # a chunk map: (xa, ya, pa, z, q, xc, yc, pc, f), see _compose
 
 
 @triton.jit
-def _compose(xa1, ya1, pa1, z1, q1, xc1, yc1, pc1, xa2, ya2, pa2, z2, q2, xc2, yc2, pc2):
+def _compose(xa1, ya1, pa1, z1, q1, xc1, yc1, pc1, f1, xa2, ya2, pa2, z2, q2, xc2, yc2, pc2, f2):
     # A map sends the carry (a, v, ac) after a token range to the carry at its first token:
-    #   a' = xa*a + ya*v + pa,  v' = z*v + q,  ac' = xc*ac + yc*v + pc.
-    # Map 2 (the earlier range) applied after map 1 (the later range).
-    return (xa2 * xa1, xa2 * ya1 + ya2 * z1, xa2 * pa1 + ya2 * q1 + pa2, z2 * z1, z2 * q1 + q2,
-            xc2 * xc1, xc2 * yc1 + yc2 * z1, xc2 * pc1 + yc2 * q1 + pc2)
+    #   a' = xa*a + ya*v + pa,  v' = z*v + q,  ac' = xc*ac + yc*v + pc;
+    # f = 1: the recurrence stops inside the range (its coefficients are 0 and the carry is not read).
+    # Map 2 (the earlier range) applied after map 1 (the later range). A stopping map 2 is kept as it is:
+    # 0 * (a NaN of a later segment or rollout) would be NaN, and the C++ scan never multiplies there.
+    k = f2 != 0
+    return (tl.where(k, xa2, xa2 * xa1), tl.where(k, ya2, xa2 * ya1 + ya2 * z1),
+            tl.where(k, pa2, xa2 * pa1 + ya2 * q1 + pa2), tl.where(k, z2, z2 * z1), tl.where(k, q2, z2 * q1 + q2),
+            tl.where(k, xc2, xc2 * xc1), tl.where(k, yc2, xc2 * yc1 + yc2 * z1),
+            tl.where(k, pc2, xc2 * pc1 + yc2 * q1 + pc2), tl.maximum(f1, f2))
 
 
 @triton.jit
-def _compose_adv(xa1, ya1, pa1, z1, q1, xa2, ya2, pa2, z2, q2):
+def _compose_adv(xa1, ya1, pa1, z1, q1, f1, xa2, ya2, pa2, z2, q2, f2):
     # _compose without the returns' recurrence (lam_critic=None: returns reuse the advantages)
-    return xa2 * xa1, xa2 * ya1 + ya2 * z1, xa2 * pa1 + ya2 * q1 + pa2, z2 * z1, z2 * q1 + q2
+    k = f2 != 0
+    return (tl.where(k, xa2, xa2 * xa1), tl.where(k, ya2, xa2 * ya1 + ya2 * z1),
+            tl.where(k, pa2, xa2 * pa1 + ya2 * q1 + pa2), tl.where(k, z2, z2 * z1), tl.where(k, q2, z2 * q1 + q2),
+            tl.maximum(f1, f2))
+
+
+@triton.jit
+def _apply(f, x, y, p, c, v):
+    """x*c + y*v + p, the carry (c, v) through a map; p alone when the map stops the recurrence (f = 1)."""
+    return tl.where(f != 0, p, x * c + y * v + p)
 
 
 @triton.jit
@@ -130,13 +147,14 @@ def _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr
                lo, hi, s_lo, s_hi, n_bisect, gamma, a_c, v_c, ac_c,
                BLOCK: tl.constexpr, WRITE: tl.constexpr, OWN_CRITIC: tl.constexpr, HAS_START: tl.constexpr):
     """Tokens [lo, hi) backwards, BLOCK at a time; blocks may span segments s_lo..s_hi (n_bisect = bits of
-    s_hi - s_lo). WRITE=False: returns the range's composed map (xa, ya, pa, z, q, xc, yc, pc), see `_compose`.
+    s_hi - s_lo). WRITE=False: returns the range's composed map (xa, ya, pa, z, q, xc, yc, pc, f), see `_compose`.
     WRITE=True: runs from the carry (a_c, v_c, ac_c) at hi and writes adv, ret."""
     o_b = tl.arange(0, BLOCK)
     # the scans' last lane holds the map of the whole block (lanes before the range are identities)
     i_last = tl.full([1], BLOCK - 1, tl.int32)
     one = tl.full([1], 1.0, ACC)
     m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc = one, one * 0, one * 0, one, one * 0, one, one * 0, one * 0
+    m_f = one * 0
     for i_b in range((hi - lo + BLOCK - 1) // BLOCK):
         e = hi - i_b * BLOCK
         o_t = e - 1 - o_b  # reversed: lane 0 is the block's last token
@@ -165,35 +183,35 @@ def _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr
         b_pa = tl.where(b_m, b_rv, 0.0)
         b_z = tl.where(b_keep & ~b_m, 1.0, 0.0)
         b_q = tl.where(b_m, b_v32, 0.0)
+        b_f = tl.where(b_keep, 0.0, 1.0).to(ACC)
         if OWN_CRITIC:
             b_xc = tl.where(b_keep, tl.where(b_m, tl.load(glc_ptr + b_s, mask=m_t, other=1.0), 1.0), 0.0)
-            b_xa, b_ya, b_pa, b_z, b_q, b_xc, b_yc, b_pc = tl.associative_scan(
-                (b_xa, b_ya, b_pa, b_z, b_q, b_xc, b_ya, b_pa), 0, _compose)
+            b_xa, b_ya, b_pa, b_z, b_q, b_xc, b_yc, b_pc, b_f = tl.associative_scan(
+                (b_xa, b_ya, b_pa, b_z, b_q, b_xc, b_ya, b_pa, b_f), 0, _compose)
         else:
-            b_xa, b_ya, b_pa, b_z, b_q = tl.associative_scan((b_xa, b_ya, b_pa, b_z, b_q), 0, _compose_adv)
+            b_xa, b_ya, b_pa, b_z, b_q, b_f = tl.associative_scan((b_xa, b_ya, b_pa, b_z, b_q, b_f), 0, _compose_adv)
         if WRITE:
-            b_a = b_xa * a_c + b_ya * v_c + b_pa
+            b_a = _apply(b_f, b_xa, b_ya, b_pa, a_c, v_c)
             if OWN_CRITIC:
-                b_ac = b_xc * ac_c + b_yc * v_c + b_pc
+                b_ac = _apply(b_f, b_xc, b_yc, b_pc, ac_c, v_c)
             else:
                 b_ac = b_a
             b_scale = tl.load(scale_ptr + b_s, mask=b_m, other=0.0)
             tl.store(adv_ptr + o_p, tl.where(b_m, b_scale * b_a, 0.0).to(adv_ptr.dtype.element_ty), mask=m_t)
             tl.store(ret_ptr + o_p, tl.where(b_m, b_ac + b_v32, 0.0).to(ret_ptr.dtype.element_ty), mask=m_t)
             a_c, ac_c = tl.gather(b_a, i_last, 0), tl.gather(b_ac, i_last, 0)
-            v_c = tl.gather(b_z, i_last, 0) * v_c + tl.gather(b_q, i_last, 0)
+            v_c = _apply(tl.gather(b_f, i_last, 0), tl.gather(b_z, i_last, 0), 0.0, tl.gather(b_q, i_last, 0), v_c, 0.0)
         else:
             # chunk map = block map after the map of the later blocks (the formulas of _compose)
             g_xa, g_ya, g_pa = tl.gather(b_xa, i_last, 0), tl.gather(b_ya, i_last, 0), tl.gather(b_pa, i_last, 0)
-            g_z, g_q = tl.gather(b_z, i_last, 0), tl.gather(b_q, i_last, 0)
+            g_z, g_q, g_f = tl.gather(b_z, i_last, 0), tl.gather(b_q, i_last, 0), tl.gather(b_f, i_last, 0)
             if OWN_CRITIC:
                 g_xc, g_yc, g_pc = tl.gather(b_xc, i_last, 0), tl.gather(b_yc, i_last, 0), tl.gather(b_pc, i_last, 0)
             else:
                 g_xc, g_yc, g_pc = g_xa, g_ya, g_pa
-            m_xc, m_yc, m_pc = g_xc * m_xc, g_xc * m_yc + g_yc * m_z, g_xc * m_pc + g_yc * m_q + g_pc
-            m_xa, m_ya, m_pa = g_xa * m_xa, g_xa * m_ya + g_ya * m_z, g_xa * m_pa + g_ya * m_q + g_pa
-            m_z, m_q = g_z * m_z, g_z * m_q + g_q
-    return m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc
+            m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc, m_f = _compose(
+                m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc, m_f, g_xa, g_ya, g_pa, g_z, g_q, g_xc, g_yc, g_pc, g_f)
+    return m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc, m_f
 
 
 @triton.jit
@@ -202,7 +220,7 @@ def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, cb_ptr, 
                       BLOCK: tl.constexpr, WRITE: tl.constexpr, OWN_CRITIC: tl.constexpr, HAS_START: tl.constexpr):
     """One chunk [cb[c], cb[c+1]) backwards (`_tile_pass`).
 
-    WRITE=False (phase 1): store the chunk's composed map to `summary` [8, n_chunks] float64.
+    WRITE=False (phase 1): store the chunk's composed map to `summary` [N_MAP, n_chunks] float64.
     WRITE=True (phase 3): start from `carry` [3, n_chunks] float64 (a, v, ac) and write adv, ret [T].
     """
     pid = tl.program_id(0).to(tl.int64)
@@ -223,7 +241,7 @@ def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, cb_ptr, 
         ac_c = tl.load(carry_ptr + 2 * n_chunks + i_c + o_1)
     else:
         a_c, v_c, ac_c = tl.zeros([1], ACC), tl.zeros([1], ACC), tl.zeros([1], ACC)
-    m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc = _tile_pass(
+    m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc, m_f = _tile_pass(
         rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
         lo, hi, s_lo, s_hi, n_bisect, gamma, a_c, v_c, ac_c, BLOCK, WRITE, OWN_CRITIC, HAS_START)
     if not WRITE:
@@ -236,6 +254,7 @@ def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, cb_ptr, 
         tl.store(p_s + 5 * n_chunks, m_xc)
         tl.store(p_s + 6 * n_chunks, m_yc)
         tl.store(p_s + 7 * n_chunks, m_pc)
+        tl.store(p_s + 8 * n_chunks, m_f)
 
 
 @triton.jit
@@ -248,7 +267,7 @@ def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, S, gl
     tile waits only on tiles that already started. Each tile publishes its composed map (agg, flag 1), looks
     towards later tiles for its carry (composing their maps until a tile with a published inclusive
     state, flag 2), publishes its own inclusive state, then writes its tokens from that carry.
-    ws: int32 [1 + n_tiles] zeros (counter, flags); agg: float64 [8, n_tiles]; incl: float64 [3, n_tiles].
+    ws: int32 [1 + n_tiles] zeros (counter, flags); agg: float64 [N_MAP, n_tiles]; incl: float64 [3, n_tiles].
     """
     vid = tl.atomic_add(ws_ptr, 1).to(tl.int64)
     i = n_tiles - 1 - vid
@@ -272,7 +291,7 @@ def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, S, gl
     gamma = tl.zeros([1], ACC) + gamma_hi + gamma_lo
     zero = tl.zeros([1], ACC)
     o_1 = tl.arange(0, 1)
-    m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc = _tile_pass(
+    m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc, m_f = _tile_pass(
         rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
         lo, hi, s_lo, s_hi, n_bisect, gamma, zero, zero, zero, BLOCK, False, OWN_CRITIC, HAS_START)
     if not OWN_CRITIC:
@@ -288,11 +307,15 @@ def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, S, gl
     tl.store(p_a + 5 * n_tiles, m_xc)
     tl.store(p_a + 6 * n_tiles, m_yc)
     tl.store(p_a + 7 * n_tiles, m_pc)
+    tl.store(p_a + 8 * n_tiles, m_f)
     tl.debug_barrier()
     tl.atomic_xchg(flag + i, 1, sem="release")
-    # look towards later tiles: carry = M[i+1](M[i+2](... (inclusive state of the first tile found)))
+    # look towards later tiles: carry = M[i+1](M[i+2](... (inclusive state of the first tile found))), where the
+    # state past the last tile is 0 (a tile may compose its way to the end while the last tile, which has
+    # published its map, has not yet published its state)
     c_xa, c_ya, c_pa, c_z, c_q, c_xc, c_yc, c_pc = zero + 1.0, zero, zero, zero + 1.0, zero, zero + 1.0, zero, zero
-    a_c, v_c, ac_c = zero, zero, zero
+    c_f = zero
+    s_a, s_v, s_ac = zero, zero, zero
     j = i + 1
     while j < n_tiles:
         f = tl.atomic_add(flag + j, 0, sem="acquire")
@@ -303,9 +326,6 @@ def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, S, gl
             s_a = tl.load(p_i, volatile=True)
             s_v = tl.load(p_i + n_tiles, volatile=True)
             s_ac = tl.load(p_i + 2 * n_tiles, volatile=True)
-            a_c = c_xa * s_a + c_ya * s_v + c_pa
-            v_c = c_z * s_v + c_q
-            ac_c = c_xc * s_ac + c_yc * s_v + c_pc
             j = n_tiles
         else:
             p_j = agg_ptr + j + o_1
@@ -314,15 +334,19 @@ def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, S, gl
             g_z, g_q = tl.load(p_j + 3 * n_tiles, volatile=True), tl.load(p_j + 4 * n_tiles, volatile=True)
             g_xc, g_yc, g_pc = tl.load(p_j + 5 * n_tiles, volatile=True), tl.load(p_j + 6 * n_tiles, volatile=True), \
                 tl.load(p_j + 7 * n_tiles, volatile=True)
+            g_f = tl.load(p_j + 8 * n_tiles, volatile=True)
             # the tiles so far (earlier) applied after tile j (later): _compose(M_j, C)
-            c_xa, c_ya, c_pa, c_z, c_q, c_xc, c_yc, c_pc = _compose(g_xa, g_ya, g_pa, g_z, g_q, g_xc, g_yc, g_pc,
-                                                                    c_xa, c_ya, c_pa, c_z, c_q, c_xc, c_yc, c_pc)
+            c_xa, c_ya, c_pa, c_z, c_q, c_xc, c_yc, c_pc, c_f = _compose(
+                g_xa, g_ya, g_pa, g_z, g_q, g_xc, g_yc, g_pc, g_f, c_xa, c_ya, c_pa, c_z, c_q, c_xc, c_yc, c_pc, c_f)
             j += 1
+    a_c = _apply(c_f, c_xa, c_ya, c_pa, s_a, s_v)
+    v_c = _apply(c_f, c_z, 0.0, c_q, s_v, 0.0)
+    ac_c = _apply(c_f, c_xc, c_yc, c_pc, s_ac, s_v)
     # publish the inclusive state at the tile's first token: M_i(carry)
     p_i = incl_ptr + i + o_1
-    tl.store(p_i, m_xa * a_c + m_ya * v_c + m_pa)
-    tl.store(p_i + n_tiles, m_z * v_c + m_q)
-    tl.store(p_i + 2 * n_tiles, m_xc * ac_c + m_yc * v_c + m_pc)
+    tl.store(p_i, _apply(m_f, m_xa, m_ya, m_pa, a_c, v_c))
+    tl.store(p_i + n_tiles, _apply(m_f, m_z, 0.0, m_q, v_c, 0.0))
+    tl.store(p_i + 2 * n_tiles, _apply(m_f, m_xc, m_yc, m_pc, ac_c, v_c))
     tl.debug_barrier()
     tl.atomic_xchg(flag + i, 2, sem="release")
     _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
@@ -349,11 +373,12 @@ def _gae_carry_kernel(summary_ptr, carry_ptr, n_chunks, BLOCK: tl.constexpr):
         b_xc = tl.load(p_s + 5 * n_chunks, mask=m_s, other=1.0)
         b_yc = tl.load(p_s + 6 * n_chunks, mask=m_s, other=0.0)
         b_pc = tl.load(p_s + 7 * n_chunks, mask=m_s, other=0.0)
-        b_xa, b_ya, b_pa, b_z, b_q, b_xc, b_yc, b_pc = tl.associative_scan(
-            (b_xa, b_ya, b_pa, b_z, b_q, b_xc, b_yc, b_pc), 0, _compose)
-        b_a = b_xa * a_b + b_ya * v_b + b_pa
-        b_v = b_z * v_b + b_q
-        b_ac = b_xc * ac_b + b_yc * v_b + b_pc
+        b_f = tl.load(p_s + 8 * n_chunks, mask=m_s, other=0.0)
+        b_xa, b_ya, b_pa, b_z, b_q, b_xc, b_yc, b_pc, b_f = tl.associative_scan(
+            (b_xa, b_ya, b_pa, b_z, b_q, b_xc, b_yc, b_pc, b_f), 0, _compose)
+        b_a = _apply(b_f, b_xa, b_ya, b_pa, a_b, v_b)
+        b_v = _apply(b_f, b_z, 0.0, b_q, v_b, 0.0)
+        b_ac = _apply(b_f, b_xc, b_yc, b_pc, ac_b, v_b)
         tl.store(carry_ptr + o_c, b_a, mask=m_c)
         tl.store(carry_ptr + n_chunks + o_c, b_v, mask=m_c)
         tl.store(carry_ptr + 2 * n_chunks + o_c, b_ac, mask=m_c)
@@ -361,7 +386,7 @@ def _gae_carry_kernel(summary_ptr, carry_ptr, n_chunks, BLOCK: tl.constexpr):
         a_b, v_b, ac_b = tl.gather(b_a, i_last, 0), tl.gather(b_v, i_last, 0), tl.gather(b_ac, i_last, 0)
 
 
-BLOCK = 256             # tokens per block on GPU: 126 registers at 4 warps (512: 200, 1024: spills)
+BLOCK = 256             # tokens per block on GPU: <= 168 registers at 4 warps, no spills (tests/test_aot.py)
 INTERPRET_BLOCK = 32768  # at most; the interpreter pays per operation, not per element: few, large blocks
 CARRY_BLOCK = 256       # chunk maps per block in phase 2
 PARAMS_BLOCK = 1024     # mask bytes per step of the per-rollout count

@@ -22,16 +22,16 @@ if "triton" in available(torch.device("cpu")):
 
     @triton.jit
     def _scan_kernel(x_ptr, out_ptr, N: tl.constexpr, OP: tl.constexpr):
-        # the scans of kernels/gae.py on rows of x: 8-row _compose, 5-row _compose_adv, int64 _add
+        # the scans of kernels/gae.py on rows of x: 9-row _compose, 6-row _compose_adv, int64 _add
         o = tl.arange(0, N)
         if OP == 0:
-            r = tl.associative_scan(tuple(tl.load(x_ptr + i * N + o) for i in tl.static_range(8)), 0, kgae._compose)
-            for i in tl.static_range(8):
+            r = tl.associative_scan(tuple(tl.load(x_ptr + i * N + o) for i in tl.static_range(9)), 0, kgae._compose)
+            for i in tl.static_range(9):
                 tl.store(out_ptr + i * N + o, r[i])
         elif OP == 1:
-            r = tl.associative_scan(tuple(tl.load(x_ptr + i * N + o) for i in tl.static_range(5)), 0,
+            r = tl.associative_scan(tuple(tl.load(x_ptr + i * N + o) for i in tl.static_range(6)), 0,
                                     kgae._compose_adv)
-            for i in tl.static_range(5):
+            for i in tl.static_range(6):
                 tl.store(out_ptr + i * N + o, r[i])
         else:
             tl.store(out_ptr + o, tl.associative_scan(tl.load(x_ptr + o).to(tl.int64), 0, kgae._add).to(tl.float64))
@@ -369,19 +369,21 @@ def test_interp_scan_matches_the_interpreter_loop():
     from triton.runtime import interpreter
 
     gen = torch.Generator().manual_seed(0)
-    x = torch.rand(8, 64, generator=gen, dtype=torch.float64)
+    x = torch.rand(9, 64, generator=gen, dtype=torch.float64)
     x[3] = (x[3] < 0.5).double()  # z is 0 or 1
+    x[8] = (x[8] < 0.1).double()  # the stop flag f is 0 or 1
+    x_adv = torch.cat([x[:5], x[8:]])  # _compose_adv's rows: xa, ya, pa, z, q, f
     for op in (0, 1, 2):
         outs = []
         for scan in (_interp_scan._vectorised_scan, _interp_scan.original()):
             prev, interpreter.ScanOps.generic_scan = interpreter.ScanOps.generic_scan, scan
             try:
                 out = torch.full_like(x, float("nan"))
-                _scan_kernel[(1,)](x if op < 2 else (x * 100).round(), out, N=64, OP=op)
+                _scan_kernel[(1,)]((x, x_adv, (x * 100).round())[op], out, N=64, OP=op)
             finally:
                 interpreter.ScanOps.generic_scan = prev
             outs.append(out)
-        n = (8, 5, 1)[op]
+        n = (9, 6, 1)[op]
         torch.testing.assert_close(outs[0][:n], outs[1][:n], rtol=1e-12, atol=1e-12)
 
 
@@ -550,3 +552,29 @@ def test_lookback_plan_matches_reference(monkeypatch, mode, tile, case):
     want = crf.segment_gae(b["rewards"], b["values"], b["loss_mask"], b["cu_seqlens"], b["cu_segments"],
                            cross_segment=mode, backend="torch")
     torch.testing.assert_close(got[0][where], want[0], atol=2e-6, rtol=2e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("plan", [dict(block=16, chunk=16), dict(block=16, chunk=40), dict(block=16, chunk=0),
+                                  dict(plan="lookback", tile=16, block=16), dict(plan="lookback", tile=64, block=64)],
+                         ids=["chunk=block", "chunk=2.5blocks", "rollout-chunks", "lookback-16", "lookback-64"])
+def test_nan_value_stays_in_its_recurrence(monkeypatch, plan):
+    """A NaN value on a trainable token poisons only the tokens whose recurrence reaches it (its own segment
+    before it, and earlier segments where the carry crosses segments), as on the C++ and reference
+    backends: the Triton maps are never multiplied through a reset (0 * NaN), in a block, across blocks,
+    chunks (the carry kernel) or tiles (the look-back)."""
+    _with_plan(monkeypatch, **plan)
+    b = packed_batch(random_case(7, n_rollouts=4, max_len=60), seed=7, index_dtype=torch.int64)
+    trainable = b["loss_mask"].nonzero().flatten()
+    for k in (trainable[-1], trainable[len(trainable) // 2], trainable[3]):
+        values = b["values"].clone()
+        values[k] = float("nan")
+        for mode, gamma in [("none", 0.97), ("paper", 0.0), ("stitched", 0.99)]:
+            kw = dict(gamma=gamma, lam=0.9, cross_segment=mode)
+            got = crf.segment_gae(b["rewards"], values, b["loss_mask"], b["cu_seqlens"], b["cu_segments"],
+                                  backend="triton", **kw)
+            want = crf.segment_gae(b["rewards"], values, b["loss_mask"], b["cu_seqlens"], b["cu_segments"],
+                                   backend="torch", **kw)
+            for g, w in zip(got, want):
+                assert torch.equal(g.isnan(), w.isnan()), (mode, gamma, int(k), g.isnan().sum(), w.isnan().sum())
+                torch.testing.assert_close(g, w.float(), atol=2e-6, rtol=2e-6, equal_nan=True)

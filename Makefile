@@ -49,7 +49,7 @@ PEER_DEPS = verl==0.9.1 trl==1.12.0 torchrl==0.14.1 omegaconf==2.4.0 antlr4-pyth
 # class, keyword and attribute the engine uses against the real package.
 VLLM_SPEC = vllm==0.33.0
 
-test-integrations:  ## the adapters against the real verl and TRL, the vLLM engine against vLLM's API (about 5 min)
+test-integrations:  ## the adapters against the real verl and TRL, GAE against torchrl, the vLLM engine against vLLM's API (about 5 min)
 	test -d build/peers || $(PY) -m pip install -q --no-deps --target build/peers $(PEER_DEPS)
 	PYTHONPATH=build/peers $(PY) -m pytest -q tests/integrations
 	test -x build/vllm-venv/bin/python || { python3 -m venv build/vllm-venv && \

@@ -70,6 +70,20 @@ def _compose_adv(xa1, ya1, pa1, z1, q1, f1, xa2, ya2, pa2, z2, q2, f2):
 
 
 @triton.jit
+def _store_map(p, stride, xa, ya, pa, z, q, xc, yc, pc, f):
+    """One map into column p of a float64 [N_MAP, n] buffer (row stride `stride`)."""
+    tl.store(p, xa)
+    tl.store(p + stride, ya)
+    tl.store(p + 2 * stride, pa)
+    tl.store(p + 3 * stride, z)
+    tl.store(p + 4 * stride, q)
+    tl.store(p + 5 * stride, xc)
+    tl.store(p + 6 * stride, yc)
+    tl.store(p + 7 * stride, pc)
+    tl.store(p + 8 * stride, f)
+
+
+@triton.jit
 def _apply(f, x, y, p, c, v):
     """x*c + y*v + p, the carry (c, v) through a map; p alone when the map stops the recurrence (f = 1)."""
     return tl.where(f != 0, p, x * c + y * v + p)
@@ -245,16 +259,7 @@ def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, cb_ptr, 
         rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
         lo, hi, s_lo, s_hi, n_bisect, gamma, a_c, v_c, ac_c, BLOCK, WRITE, OWN_CRITIC, HAS_START)
     if not WRITE:
-        p_s = summary_ptr + i_c + o_1
-        tl.store(p_s, m_xa)
-        tl.store(p_s + n_chunks, m_ya)
-        tl.store(p_s + 2 * n_chunks, m_pa)
-        tl.store(p_s + 3 * n_chunks, m_z)
-        tl.store(p_s + 4 * n_chunks, m_q)
-        tl.store(p_s + 5 * n_chunks, m_xc)
-        tl.store(p_s + 6 * n_chunks, m_yc)
-        tl.store(p_s + 7 * n_chunks, m_pc)
-        tl.store(p_s + 8 * n_chunks, m_f)
+        _store_map(summary_ptr + i_c + o_1, n_chunks, m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc, m_f)
 
 
 @triton.jit
@@ -298,16 +303,7 @@ def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, S, gl
         m_xc, m_yc, m_pc = m_xa, m_ya, m_pa
     flag = ws_ptr + 1
     # publish the aggregate
-    p_a = agg_ptr + i + o_1
-    tl.store(p_a, m_xa)
-    tl.store(p_a + n_tiles, m_ya)
-    tl.store(p_a + 2 * n_tiles, m_pa)
-    tl.store(p_a + 3 * n_tiles, m_z)
-    tl.store(p_a + 4 * n_tiles, m_q)
-    tl.store(p_a + 5 * n_tiles, m_xc)
-    tl.store(p_a + 6 * n_tiles, m_yc)
-    tl.store(p_a + 7 * n_tiles, m_pc)
-    tl.store(p_a + 8 * n_tiles, m_f)
+    _store_map(agg_ptr + i + o_1, n_tiles, m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc, m_f)
     tl.debug_barrier()
     tl.atomic_xchg(flag + i, 1, sem="release")
     # look towards later tiles: carry = M[i+1](M[i+2](... (inclusive state of the first tile found))), where the

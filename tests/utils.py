@@ -1,9 +1,11 @@
-"""Shared test helpers: random packed batches from shape tables, NaN poisoning."""
+"""Shared test helpers: random packed batches from shape tables, NaN poisoning, an op counter."""
 from __future__ import annotations
 
+import collections
 import random
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # A segment is (length, mask kind): "rand" ~70% trainable in runs (like assistant turns between
 # observations), "none" no trainable token, "all" every token trainable.
@@ -64,3 +66,20 @@ def packed_batch(case, *, seed: int = 0, index_dtype=torch.int32, device="cpu"):
     out = dict(rewards=rewards, values=values, loss_mask=mask,
                cu_seqlens=torch.tensor(seq, dtype=index_dtype), cu_segments=torch.tensor(segs, dtype=index_dtype))
     return {k: v.to(device) for k, v in out.items()}
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten/custom ops a call dispatches (prim.* device queries are not ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not str(func).startswith("prim."):
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self):
+        return sum(self.ops.values())

@@ -8,7 +8,7 @@ from compactionrl_fast.integrations import openrlhf, segment_gae_padded, trl, ve
 from compactionrl_fast.integrations.layout import row_table
 from compactionrl_fast.ops._dispatch import available
 from tests.integrations._batches import padded_from_packed
-from tests.utils import SHAPE_TABLE, packed_batch, random_case
+from tests.utils import SHAPE_TABLE, CountOps, packed_batch, random_case
 
 BACKENDS = [b for b in ("cpp", "triton") if b in available(torch.device("cpu"))] + ["torch"]
 
@@ -124,25 +124,11 @@ _NOT_LAUNCHES = ("aten.view", "aten._unsafe_view", "aten.detach", "aten.lift_fre
 
 def _launches(fn):
     """(kernel launches, op names) that `fn` dispatches: every aten/custom op but views and the like."""
-    import collections
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = str(func)
-            if not name.startswith("prim.") and not name.startswith(_NOT_LAUNCHES):
-                self.ops[name] += 1
-            return func(*args, **(kwargs or {}))
-
-    c = Count()
+    c = CountOps()
     with c:
         fn()
-    return sum(c.ops.values()), dict(c.ops)
+    ops = {name: n for name, n in c.ops.items() if not name.startswith(_NOT_LAUNCHES)}
+    return sum(ops.values()), ops
 
 
 @pytest.mark.skipif(not crf.ops._dispatch.has_triton(), reason="the CUDA default backend is triton")

@@ -6,7 +6,6 @@ CPU-only torch, and any read of device data on the host raises DataDependentOutp
 """
 from __future__ import annotations
 
-import collections
 import os
 import subprocess
 import sys
@@ -15,30 +14,13 @@ import textwrap
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import compactionrl_fast as crf
 from compactionrl_fast.ops import _dispatch
 from compactionrl_fast.reference import gae as ref_gae
+from tests.utils import CountOps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-class CountOps(TorchDispatchMode):
-    """Counts the aten/custom ops a call dispatches (prim.* device queries are not ops)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not str(func).startswith("prim."):
-            self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self):
-        return sum(self.ops.values())
 
 
 def _fake_batch(T=64):

@@ -1,10 +1,10 @@
 // segment_gae on CPU, double accumulation. Schema and Python-facing semantics: compactionrl_fast/ops/gae.py;
 // math: csrc/common/gae_step.h.
 //   1. per rollout (in parallel): trainable counts and the per-segment numbers (crf::rollout_params);
-//   2. the scan over "chains", the independent recurrences (a segment, or a stitched rollout): kLanes chains
-//      walk backwards in lockstep, one token of each per step, so the per-token dependency chain of one
-//      recurrence overlaps with the others' instead of setting the pace. Masked tokens are selects, not
-//      branches (a random mask would mispredict). A thread takes a range of chains.
+//   2. the scan over "chains", the independent recurrences (a segment, or a stitched rollout): 8 (AVX-512) or 4
+//      (AVX2, scalar) chains walk backwards in lockstep, one token of each per step, so the per-token
+//      dependency chain of one recurrence overlaps with the others' instead of setting the pace. Masked tokens
+//      are selects, not branches (a random mask would mispredict). A thread takes a range of chains.
 // `segment_gae_serial` keeps the one-rollout-at-a-time scan for the benchmark's "old" row.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -13,6 +13,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -90,13 +92,41 @@ struct Chain {
   int64_t lo, hi;
 };
 
-constexpr int kLanes = 4;
+// The SIMD paths, chosen per call: COMPACTIONRL_FAST_CPU_SIMD = auto (default: the widest the CPU has),
+// avx512, avx2 or none (asking for more than the CPU has gives what it has). Every path does the same
+// float64 arithmetic per token (fused multiply-adds included), so they give the same bits.
+enum Simd { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
-#define CRF_GAE_AVX2 __attribute__((target("avx2,fma")))
+Simd simd_path() {
+  static const Simd have = __builtin_cpu_supports("avx512f") ? kAvx512
+                           : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? kAvx2
+                                                                                               : kScalar;
+  const char* v = std::getenv("COMPACTIONRL_FAST_CPU_SIMD");
+  if (v == nullptr || *v == 0 || std::strcmp(v, "auto") == 0 || std::strcmp(v, "avx512") == 0) return have;
+  if (std::strcmp(v, "avx2") == 0) return std::min(kAvx2, have);
+  TORCH_CHECK_VALUE(std::strcmp(v, "none") == 0, "COMPACTIONRL_FAST_CPU_SIMD must be auto, avx512, avx2 or none, got '",
+                    v, "'");
+  return kScalar;
+}
 
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
+#define CRF_FMA __attribute__((target("avx2,fma")))
+#define CRF_AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+constexpr int kMaxLanes = 8;
+
+// One reverse step of one recurrence at token t, the arithmetic of every path: m = trainable, carries a
+// (advantage), ac (critic), vn (the next trainable value). Written with std::fma so that the scalar code does
+// what the vector code does (inlined into CRF_FMA functions it is one instruction).
+[[gnu::always_inline]] inline void step(bool m, float rf, float vf, double g, double gl, double glc, double sc,
+                                        double& a, double& ac, double& vn, float& adv, float& ret) {
+  const double r = rf, v = vf;
+  const double d = std::fma(g, vn, r) - v;
+  const double an = std::fma(gl, a, d), acn = std::fma(glc, ac, d);
+  adv = m ? (float)(sc * an) : 0.f;
+  ret = m ? (float)(acn + v) : 0.f;
+  a = m ? an : a;
+  ac = m ? acn : ac;
+  vn = m ? v : vn;
 }
 
 template <typename idx_t>
@@ -109,6 +139,7 @@ struct ChainScan {
   double gamma;
   bool own_critic;
   float *adv, *ret;
+  Simd simd;
 
   int64_t first(int64_t s) const { return start ? start[s] : (int64_t)cu[s]; }
   int64_t len(int64_t s) const { return (int64_t)cu[s + 1] - (int64_t)cu[s]; }
@@ -135,58 +166,42 @@ struct ChainScan {
   }
 
   // The rest of one lane's chain on its own (the batch's last chains, or a single long one).
-  void finish(Lane& l) const {
+  [[gnu::always_inline]] inline void finish_body(Lane& l) const {
     do {
       double a = l.a, ac = l.ac, vn = l.vn;
-      const double gl = l.gl, glc = l.glc, sc = l.scale;
-      for (int64_t t = l.p; t >= l.b; --t) {
-        const bool m = mask[t];
-        const double r = rew[t], v = val[t];
-        const double d = r + gamma * vn - v;
-        const double an = d + gl * a, acn = d + glc * ac;
-        adv[t] = m ? (float)(sc * an) : 0.f;
-        ret[t] = m ? (float)(acn + v) : 0.f;
-        a = m ? an : a;
-        ac = m ? acn : ac;
-        vn = m ? v : vn;
-      }
+      for (int64_t t = l.p; t >= l.b; --t)
+        step(mask[t], rew[t], val[t], gamma, l.gl, l.glc, l.scale, a, ac, vn, adv[t], ret[t]);
       l.a = a, l.ac = ac, l.vn = vn;
       --l.s;
     } while (enter(l));
   }
+  CRF_FMA void finish_fma(Lane& l) const { finish_body(l); }
+  void finish(Lane& l) const { simd == kScalar ? finish_body(l) : finish_fma(l); }
 
-  // kLanes lanes in lockstep for `steps` tokens each: the lanes' numbers in local arrays (registers), the
-  // lanes' recurrences independent, so their latencies overlap. Same arithmetic as `step`.
-  void lockstep_scalar(double* a, double* ac, double* vn, const double* gl, const double* glc, const double* sc,
-                       const int64_t* p, int64_t i0, int64_t i1) const {
-    for (int64_t i = i0; i < i1; ++i) {
-#pragma GCC unroll 4
-      for (int k = 0; k < kLanes; ++k) {
+  // `n` lanes in lockstep for `steps` tokens each, one token of every lane per step: the lanes' recurrences
+  // are independent, so their latencies overlap.
+  [[gnu::always_inline]] inline void lockstep_body(int n, double* a, double* ac, double* vn, const double* gl,
+                                                   const double* glc, const double* sc, const int64_t* p, int64_t i0,
+                                                   int64_t i1) const {
+    for (int64_t i = i0; i < i1; ++i)
+      for (int k = 0; k < n; ++k) {
         const int64_t t = p[k] - i;
-        const bool m = mask[t];
-        const double r = rew[t], v = val[t];
-        const double d = r + gamma * vn[k] - v;
-        const double an = d + gl[k] * a[k];
-        const double acn = d + glc[k] * ac[k];
-        adv[t] = m ? (float)(sc[k] * an) : 0.f;
-        ret[t] = m ? (float)(acn + v) : 0.f;
-        a[k] = m ? an : a[k];
-        ac[k] = m ? acn : ac[k];
-        vn[k] = m ? v : vn[k];
+        step(mask[t], rew[t], val[t], gamma, gl[k], glc[k], sc[k], a[k], ac[k], vn[k], adv[t], ret[t]);
       }
-    }
+  }
+  CRF_FMA void lockstep_fma(int n, double* a, double* ac, double* vn, const double* gl, const double* glc,
+                            const double* sc, const int64_t* p, int64_t i0, int64_t i1) const {
+    lockstep_body(n, a, ac, vn, gl, glc, sc, p, i0, i1);
   }
 
-  // The same in AVX2: 4 lanes x 4 tokens per iteration. Each lane's 4 tokens are loaded contiguously and
-  // transposed, so that one __m256d holds one step of the 4 lanes; results are transposed back and stored.
-  // Returns the steps done (a multiple of 4).
-  CRF_GAE_AVX2 int64_t lockstep_avx2(double* a_, double* ac_, double* vn_, const double* gl_, const double* glc_,
-                                     const double* sc_, const int64_t* p, int64_t steps) const {
-    static_assert(kLanes == 4, "one __m256d of lanes");
+  // AVX2: 4 lanes x 4 tokens per iteration. Each lane's 4 tokens are loaded contiguously and transposed, so
+  // that one __m256d holds one step of the 4 lanes; results are transposed back and stored. Returns the steps
+  // done (a multiple of 4).
+  CRF_FMA int64_t lockstep_avx2(double* a_, double* ac_, double* vn_, const double* gl_, const double* glc_,
+                                const double* sc_, const int64_t* p, int64_t steps) const {
     __m256d a = _mm256_loadu_pd(a_), ac = _mm256_loadu_pd(ac_), vn = _mm256_loadu_pd(vn_);
     const __m256d gl = _mm256_loadu_pd(gl_), glc = _mm256_loadu_pd(glc_), sc = _mm256_loadu_pd(sc_);
     const __m256d g = _mm256_set1_pd(gamma), zero_d = _mm256_setzero_pd();
-    const __m256i zero_i = _mm256_setzero_si256();
     int64_t i = 0;
     for (; i + 4 <= steps; i += 4) {
       // rows: lane k's tokens p[k]-i-3 .. p[k]-i
@@ -198,12 +213,18 @@ struct ChainScan {
       _MM_TRANSPOSE4_PS(v0, v1, v2, v3);
       int32_t mb[4];
       for (int k = 0; k < 4; ++k) std::memcpy(&mb[k], mask + p[k] - i - 3, 4);
-      const __m128i mrows = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mb));
+      // the mask bytes of column c at bytes 4c..4c+3, as 0 / -1, so that sign-extending them gives blend masks
+      const __m128i mcols = _mm_sub_epi8(_mm_setzero_si128(), _mm_shuffle_epi8(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(mb)),
+          _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)));
       const __m128 rc[4] = {r0, r1, r2, r3}, vc[4] = {v0, v1, v2, v3};
+      const __m256d mc[4] = {_mm256_castsi256_pd(_mm256_cvtepi8_epi64(mcols)),
+                             _mm256_castsi256_pd(_mm256_cvtepi8_epi64(_mm_srli_si128(mcols, 4))),
+                             _mm256_castsi256_pd(_mm256_cvtepi8_epi64(_mm_srli_si128(mcols, 8))),
+                             _mm256_castsi256_pd(_mm256_cvtepi8_epi64(_mm_srli_si128(mcols, 12)))};
       __m128 oa[4], orr[4];
       for (int c = 3; c >= 0; --c) {  // backwards: token p-i first
-        const __m128i pick = _mm_setr_epi8(c, 4 + c, 8 + c, 12 + c, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-        const __m256d m = _mm256_castsi256_pd(_mm256_sub_epi64(zero_i, _mm256_cvtepu8_epi64(_mm_shuffle_epi8(mrows, pick))));
+        const __m256d m = mc[c];
         const __m256d r = _mm256_cvtps_pd(rc[c]), v = _mm256_cvtps_pd(vc[c]);
         const __m256d d = _mm256_sub_pd(_mm256_fmadd_pd(g, vn, r), v);
         const __m256d an = _mm256_fmadd_pd(gl, a, d);
@@ -225,35 +246,95 @@ struct ChainScan {
     return i;
   }
 
-  void lockstep(Lane* lane, int64_t steps) const {
-    double a[kLanes], ac[kLanes], vn[kLanes], gl[kLanes], glc[kLanes], sc[kLanes];
-    int64_t p[kLanes];
-    for (int k = 0; k < kLanes; ++k)
-      a[k] = lane[k].a, ac[k] = lane[k].ac, vn[k] = lane[k].vn, gl[k] = lane[k].gl, glc[k] = lane[k].glc,
-      sc[k] = lane[k].scale, p[k] = lane[k].p;
-    const int64_t done = has_avx2() ? lockstep_avx2(a, ac, vn, gl, glc, sc, p, steps) : 0;
-    lockstep_scalar(a, ac, vn, gl, glc, sc, p, done, steps);
-    for (int k = 0; k < kLanes; ++k) lane[k].a = a[k], lane[k].ac = ac[k], lane[k].vn = vn[k], lane[k].p = p[k] - steps;
+  // 8 x 8 floats: rows in, columns out.
+  CRF_AVX512 [[gnu::always_inline]] static inline void transpose8(__m256* x) {
+    __m256 t[8], u[8];
+    for (int k = 0; k < 8; k += 2) t[k] = _mm256_unpacklo_ps(x[k], x[k + 1]), t[k + 1] = _mm256_unpackhi_ps(x[k], x[k + 1]);
+    for (int k = 0; k < 8; k += 4) {
+      u[k] = _mm256_shuffle_ps(t[k], t[k + 2], 0x44), u[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], 0xEE);
+      u[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0x44), u[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; ++k)
+      x[k] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x20), x[k + 4] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x31);
   }
 
-  void run(const Chain* chains, int64_t n) const {
-    Lane lane[kLanes];
+  // AVX-512: 8 lanes x 8 tokens per iteration, the same scheme with mask registers: a masked fused
+  // multiply-add updates a carry only at trainable tokens, a zero-masked product writes 0 elsewhere.
+  CRF_AVX512 int64_t lockstep_avx512(double* a_, double* ac_, double* vn_, const double* gl_, const double* glc_,
+                                     const double* sc_, const int64_t* p, int64_t steps) const {
+    __m512d a = _mm512_loadu_pd(a_), ac = _mm512_loadu_pd(ac_), vn = _mm512_loadu_pd(vn_);
+    const __m512d gl = _mm512_loadu_pd(gl_), glc = _mm512_loadu_pd(glc_), sc = _mm512_loadu_pd(sc_);
+    const __m512d g = _mm512_set1_pd(gamma);
+    int64_t i = 0;
+    for (; i + 8 <= steps; i += 8) {
+      __m256 r[8], v[8], oa[8], orr[8];
+      uint64_t mb[8];
+      for (int k = 0; k < 8; ++k) {  // rows: lane k's tokens p[k]-i-7 .. p[k]-i
+        r[k] = _mm256_loadu_ps(rew + p[k] - i - 7);
+        v[k] = _mm256_loadu_ps(val + p[k] - i - 7);
+        std::memcpy(&mb[k], mask + p[k] - i - 7, 8);
+      }
+      transpose8(r);  // r[c]: column c (token p-i-7+c) of every lane
+      transpose8(v);
+      const __m512i mq = _mm512_loadu_si512(mb);  // lane k's mask bytes in qword k: column c is byte c
+      for (int c = 7; c >= 0; --c) {  // backwards: token p-i first
+        const __mmask8 m = _mm512_test_epi64_mask(mq, _mm512_set1_epi64(1ll << (8 * c)));
+        const __m512d rd = _mm512_cvtps_pd(r[c]), vd = _mm512_cvtps_pd(v[c]);
+        const __m512d d = _mm512_sub_pd(_mm512_fmadd_pd(g, vn, rd), vd);
+        a = _mm512_mask_fmadd_pd(a, m, gl, d);  // a * gl + d == fma(gl, a, d)
+        ac = _mm512_mask_fmadd_pd(ac, m, glc, d);
+        vn = _mm512_mask_mov_pd(vn, m, vd);
+        oa[c] = _mm512_cvtpd_ps(_mm512_maskz_mul_pd(m, sc, a));
+        orr[c] = _mm512_cvtpd_ps(_mm512_maskz_add_pd(m, ac, vd));
+      }
+      transpose8(oa);  // back to rows: lane k's 8 tokens
+      transpose8(orr);
+      for (int k = 0; k < 8; ++k) {
+        _mm256_storeu_ps(adv + p[k] - i - 7, oa[k]);
+        _mm256_storeu_ps(ret + p[k] - i - 7, orr[k]);
+      }
+    }
+    _mm512_storeu_pd(a_, a), _mm512_storeu_pd(ac_, ac), _mm512_storeu_pd(vn_, vn);
+    return i;
+  }
+
+  void lockstep(Lane* lane, int n, int64_t steps) const {
+    double a[kMaxLanes], ac[kMaxLanes], vn[kMaxLanes], gl[kMaxLanes], glc[kMaxLanes], sc[kMaxLanes];
+    int64_t p[kMaxLanes];
+    for (int k = 0; k < n; ++k)
+      a[k] = lane[k].a, ac[k] = lane[k].ac, vn[k] = lane[k].vn, gl[k] = lane[k].gl, glc[k] = lane[k].glc,
+      sc[k] = lane[k].scale, p[k] = lane[k].p;
+    int64_t done = 0;
+    if (simd == kAvx512) done = lockstep_avx512(a, ac, vn, gl, glc, sc, p, steps);
+    else if (simd == kAvx2) done = lockstep_avx2(a, ac, vn, gl, glc, sc, p, steps);
+    if (simd == kScalar) lockstep_body(n, a, ac, vn, gl, glc, sc, p, done, steps);
+    else lockstep_fma(n, a, ac, vn, gl, glc, sc, p, done, steps);
+    for (int k = 0; k < n; ++k) lane[k].a = a[k], lane[k].ac = ac[k], lane[k].vn = vn[k], lane[k].p = p[k] - steps;
+  }
+
+  void run(const Chain* chains_in, int64_t n) const {
+    const int lanes = simd == kAvx512 ? 8 : 4;
+    // longest first: when the queue runs dry, the lanes still busy hold short chains, which finish one by one
+    std::vector<Chain> chains(chains_in, chains_in + n);
+    auto tokens = [&](const Chain& c) { return (int64_t)cu[c.hi + 1] - (int64_t)cu[c.lo]; };
+    std::stable_sort(chains.begin(), chains.end(), [&](const Chain& x, const Chain& y) { return tokens(x) > tokens(y); });
+    Lane lane[kMaxLanes];
     int64_t next = 0;
     int live = 0;
-    for (; live < kLanes && next < n;)
+    for (; live < lanes && next < n;)
       if (start_chain(lane[live], chains[next++])) ++live;
-    while (live == kLanes) {
+    while (live == lanes) {
       int64_t steps = lane[0].p - lane[0].b + 1;
-      for (int k = 1; k < kLanes; ++k) steps = std::min(steps, lane[k].p - lane[k].b + 1);
-      lockstep(lane, steps);
-      for (int k = 0; k < kLanes && live == kLanes; ++k) {
+      for (int k = 1; k < lanes; ++k) steps = std::min(steps, lane[k].p - lane[k].b + 1);
+      lockstep(lane, lanes, steps);
+      for (int k = 0; k < lanes && live == lanes; ++k) {
         if (lane[k].p >= lane[k].b) continue;
         --lane[k].s;
         if (enter(lane[k])) continue;
         bool refilled = false;
         while (!refilled && next < n) refilled = start_chain(lane[k], chains[next++]);
         if (!refilled) {  // the queue is empty: this lane is done, the others finish one by one
-          lane[k] = lane[kLanes - 1];
+          lane[k] = lane[lanes - 1];
           --live;
         }
       }
@@ -376,7 +457,7 @@ std::tuple<at::Tensor, at::Tensor> segment_gae_cpu(const at::Tensor& rewards, co
     }
     for (const Chain& c : chains) chain_tokens.push_back(chain_tokens.back() + cu_seq[c.hi + 1] - cu_seq[c.lo]);
     const ChainScan<index_t> scan{cu_seq, pst, params.data(), rew.data_ptr<float>(), val.data_ptr<float>(), pm,
-                                  gamma, lam_critic >= 0.0, adv.data_ptr<float>(), ret.data_ptr<float>()};
+                                  gamma, lam_critic >= 0.0, adv.data_ptr<float>(), ret.data_ptr<float>(), simd_path()};
     const int64_t n = (int64_t)chains.size();
     const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), T / 32768));
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {

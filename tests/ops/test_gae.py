@@ -578,3 +578,34 @@ def test_nan_value_stays_in_its_recurrence(monkeypatch, plan):
             for g, w in zip(got, want):
                 assert torch.equal(g.isnan(), w.isnan()), (mode, gamma, int(k), g.isnan().sum(), w.isnan().sum())
                 torch.testing.assert_close(g, w.float(), atol=2e-6, rtol=2e-6, equal_nan=True)
+
+
+# ---------------------------------------------------------------- CPU SIMD paths
+
+
+@pytest.mark.skipif("cpp" not in BACKENDS, reason="the C++ extension is not built")
+@pytest.mark.parametrize("seed", range(3))
+def test_cpu_simd_paths_give_the_same_bits(seed, monkeypatch):
+    """COMPACTIONRL_FAST_CPU_SIMD picks the CPU scan's vector path (8 lanes with AVX-512, 4 with AVX2, 4 scalar
+    lanes); all do the same float64 arithmetic per token, so a result does not depend on the CPU it ran on.
+    20 rollouts: lanes are refilled, segment ends fall inside the 8- and 4-token vector steps."""
+    b = packed_batch(random_case(seed, n_rollouts=20), seed=seed, index_dtype=[torch.int32, torch.int64][seed % 2])
+    S = b["cu_seqlens"].numel() - 1
+    kws = [dict(gamma=0.97, lam=0.9, cross_segment=m, lam_critic=1.0) for m in MODES]
+    kws.append(dict(gamma=0.95, lam=torch.rand(S, generator=torch.Generator().manual_seed(seed)), cross_segment="paper"))
+    for kw in kws:
+        outs = {}
+        for simd in ("auto", "avx512", "avx2", "none"):
+            monkeypatch.setenv("COMPACTIONRL_FAST_CPU_SIMD", simd)
+            outs[simd] = crf.segment_gae(**b, backend="cpp", **kw)
+        for simd, (adv, ret) in outs.items():
+            assert torch.equal(adv, outs["auto"][0]) and torch.equal(ret, outs["auto"][1]), (simd, kw)
+        _check_backend("cpp", b, **kw)
+
+
+@pytest.mark.skipif("cpp" not in BACKENDS, reason="the C++ extension is not built")
+def test_cpu_simd_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("COMPACTIONRL_FAST_CPU_SIMD", "sse9")
+    b = packed_batch(random_case(0), seed=0)
+    with pytest.raises(ValueError, match="COMPACTIONRL_FAST_CPU_SIMD"):
+        crf.segment_gae(**b, backend="cpp")

@@ -12,6 +12,8 @@ before timing, so a broken baseline cannot win:
 - every available backend of `compactionrl_fast.segment_gae` on the device ("cpp" on CPU; "triton" and
   "cuda" on CUDA), plus the same backend on the paper's recipe (defaults: cross_segment="paper",
   adaptive lambda per rollout, a second lam_critic=1 recurrence for the returns);
+- "cpp avx2": the cpp backend held to its 4-lane AVX2 path (COMPACTIONRL_FAST_CPU_SIMD=avx2), the
+  default before the 8-lane AVX-512 path; "cpp serial (old)": one rollout at a time, no lanes;
 - "torch oracle": backend="torch", the float64 python-loop reference; only on the small shape;
 - "per-step loop": `reference.masked_gae` on the padded [S, L] layout trainers keep (one row per
   segment): a python loop over the L time steps, vectorised masked torch ops over the S rows. Only the
@@ -271,16 +273,16 @@ def check(name, got, want):
             raise AssertionError(f"{name} disagrees with the reference backend on {what}: {e}") from None
 
 
-def _with_plan(plan, fn):
-    old = os.environ.get("COMPACTIONRL_FAST_GAE_PLAN")
-    os.environ["COMPACTIONRL_FAST_GAE_PLAN"] = plan
+def _with_env(name, value, fn):
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         return fn()
     finally:
         if old is None:
-            del os.environ["COMPACTIONRL_FAST_GAE_PLAN"]
+            del os.environ[name]
         else:
-            os.environ["COMPACTIONRL_FAST_GAE_PLAN"] = old
+            os.environ[name] = old
 
 
 def formulations(b, device, *, oracle: bool, loops: bool = True, plans: bool = False):
@@ -293,7 +295,10 @@ def formulations(b, device, *, oracle: bool, loops: bool = True, plans: bool = F
     for be in backends:
         out.append((f"{be} recipe", None, lambda be=be: run_recipe(b, be), {}))
     if plans and "triton" in backends:  # the single-pass look-back plan beside the default plan
-        out.append(("triton lookback", lambda: _with_plan("lookback", lambda: run_backend(b, "triton")), None, {}))
+        out.append(("triton lookback", lambda: _with_env("COMPACTIONRL_FAST_GAE_PLAN", "lookback", lambda: run_backend(b, "triton")), None, {}))
+    if "cpp" in backends:  # the 4-lane AVX2 path (the default before the AVX-512 one) on CPUs that have both
+        out.append(("cpp avx2", lambda: _with_env("COMPACTIONRL_FAST_CPU_SIMD", "avx2", lambda: run_backend(b, "cpp")),
+                    None, {}))
     if "cpp" in backends:  # the one-rollout-at-a-time scan the lane-interleaved one replaced
         ops = torch.ops.compactionrl_fast
         cu, cs = b["cu_seqlens"], b["cu_segments"]

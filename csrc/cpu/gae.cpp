@@ -260,6 +260,8 @@ struct ChainScan {
 
   // AVX-512: 8 lanes x 8 tokens per iteration, the same scheme with mask registers: a masked fused
   // multiply-add updates a carry only at trainable tokens, a zero-masked product writes 0 elsewhere.
+  // OWN: the returns have their own recurrence (lam_critic); without it they are advantages + values.
+  template <bool OWN>
   CRF_AVX512 int64_t lockstep_avx512(double* a_, double* ac_, double* vn_, const double* gl_, const double* glc_,
                                      const double* sc_, const int64_t* p, int64_t steps) const {
     __m512d a = _mm512_loadu_pd(a_), ac = _mm512_loadu_pd(ac_), vn = _mm512_loadu_pd(vn_);
@@ -282,7 +284,8 @@ struct ChainScan {
         const __m512d rd = _mm512_cvtps_pd(r[c]), vd = _mm512_cvtps_pd(v[c]);
         const __m512d d = _mm512_sub_pd(_mm512_fmadd_pd(g, vn, rd), vd);
         a = _mm512_mask_fmadd_pd(a, m, gl, d);  // a * gl + d == fma(gl, a, d)
-        ac = _mm512_mask_fmadd_pd(ac, m, glc, d);
+        if (OWN) ac = _mm512_mask_fmadd_pd(ac, m, glc, d);
+        else ac = a;
         vn = _mm512_mask_mov_pd(vn, m, vd);
         oa[c] = _mm512_cvtpd_ps(_mm512_maskz_mul_pd(m, sc, a));
         orr[c] = _mm512_cvtpd_ps(_mm512_maskz_add_pd(m, ac, vd));
@@ -305,7 +308,9 @@ struct ChainScan {
       a[k] = lane[k].a, ac[k] = lane[k].ac, vn[k] = lane[k].vn, gl[k] = lane[k].gl, glc[k] = lane[k].glc,
       sc[k] = lane[k].scale, p[k] = lane[k].p;
     int64_t done = 0;
-    if (simd == kAvx512) done = lockstep_avx512(a, ac, vn, gl, glc, sc, p, steps);
+    if (simd == kAvx512)
+      done = own_critic ? lockstep_avx512<true>(a, ac, vn, gl, glc, sc, p, steps)
+                        : lockstep_avx512<false>(a, ac, vn, gl, glc, sc, p, steps);
     else if (simd == kAvx2) done = lockstep_avx2(a, ac, vn, gl, glc, sc, p, steps);
     if (simd == kScalar) lockstep_body(n, a, ac, vn, gl, glc, sc, p, done, steps);
     else lockstep_fma(n, a, ac, vn, gl, glc, sc, p, done, steps);

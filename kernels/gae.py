@@ -286,7 +286,7 @@ def _carry_in(summary_ptr, i, n, BLOCK: tl.constexpr):
             c_xa, c_ya, c_pa, c_z, c_q, c_xc, c_yc, c_pc, c_f)
         j += BLOCK
         if tl.max(c_f, 0) != 0:
-            j = n
+            j = j * 0 + n  # n in j's int64 type (the JIT passes a small n as int32)
     return c_pa, c_q, c_pc
 
 
@@ -377,7 +377,7 @@ def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, S, gl
             s_a = tl.load(p_i, volatile=True)
             s_v = tl.load(p_i + n_tiles, volatile=True)
             s_ac = tl.load(p_i + 2 * n_tiles, volatile=True)
-            j = n_tiles
+            j = j * 0 + n_tiles  # n_tiles in j's int64 type (the JIT passes a small n_tiles as int32)
         else:
             p_j = agg_ptr + j + o_1
             g_xa, g_ya, g_pa = tl.load(p_j, volatile=True), tl.load(p_j + n_tiles, volatile=True), tl.load(
@@ -414,10 +414,15 @@ NUM_WARPS = 4
 
 
 # (kernel name, signature, constexprs) compiled ahead of time for sm_80/sm_90 by tests/test_aot.py: every
-# flag combination with int64 offsets, the default path (WRITE, OWN_CRITIC) with int32 offsets too.
+# flag combination with int64 offsets, the default path (WRITE, OWN_CRITIC) with int32 offsets too, and the
+# sizes as the JIT types them for a usual call (a Python int below 2^31 is an i32 argument).
 # The loss mask is passed as the bool tensor itself (*i1: Triton loads its bytes).
 def _offsets(idx):
     return {"mask_ptr": "*i1", "cu_ptr": f"*{idx}", "cs_ptr": f"*{idx}"}
+
+
+def _small(sig):
+    return {k: "i32" if k in ("T", "S", "n_chunks", "chunk", "n_tiles") else v for k, v in sig.items()}
 
 
 _CHUNK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", start_ptr="*i64", T="i64", S="i64", LOG_S="i32", params_ptr="*fp64",
@@ -446,6 +451,14 @@ _LOOKBACK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", mask_ptr="*i1", cu_ptr="*
 AOT_SPECS += [("_gae_lookback_kernel", _LOOKBACK_SIG, {"TILE": LOOKBACK_TILE, "BLOCK": LOOKBACK_BLOCK, "OWN_CRITIC": own,
                                                        "HAS_START": start})
               for own, start in [(True, False), (False, False), (True, True)]]
+_CHUNK_CONSTS = dict(BLOCK=BLOCK, OWN_CRITIC=True, HAS_START=False, CARRY_BLOCK=CARRY_BLOCK)
+AOT_SPECS += [  # a usual call as the JIT types it: int32 offsets, int32 sizes
+    ("_gae_params_kernel", _small(dict(_offsets("i32"), **_PARAMS_SIG)),
+     {"LAM_MODE": 2, "CROSS": 1, "NEED_COUNTS": True, "HAS_START": False, "BLOCK": PARAMS_BLOCK}),
+    ("_gae_chunk_kernel", _small(dict(_offsets("i32"), **_CHUNK_SIG)), dict(_CHUNK_CONSTS, WRITE=False, CARRY=False)),
+    ("_gae_chunk_kernel", _small(dict(_offsets("i32"), **_CHUNK_SIG)), dict(_CHUNK_CONSTS, WRITE=True, CARRY=True)),
+    ("_gae_lookback_kernel", _small(dict(_LOOKBACK_SIG, cu_ptr="*i32")),
+     {"TILE": LOOKBACK_TILE, "BLOCK": LOOKBACK_BLOCK, "OWN_CRITIC": True, "HAS_START": False})]
 
 
 @functools.lru_cache(maxsize=None)

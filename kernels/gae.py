@@ -209,7 +209,8 @@ def _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, gl_ptr, glc_ptr
             b_s, b_s_hi = tl.where(b_le, b_mid, b_s), tl.where(b_le, b_s_hi, b_mid - 1)
         # [BLOCK]
         if HAS_START:  # token t of segment s sits at t + start[s] - cu[s] (placed segments, e.g. padded rows)
-            o_p = o_t + tl.load(start_ptr + b_s, mask=m_t, other=0) - tl.load(cu_ptr + b_s, mask=m_t, other=0).to(tl.int64)
+            shift = tl.load(start_ptr + b_s, mask=m_t, other=0) - tl.load(cu_ptr + b_s, mask=m_t, other=0).to(tl.int64)
+            o_p = o_t + shift
             m_t = m_t & (o_p >= 0) & (o_p < T)  # unchecked placements never reach outside [0, T)
         else:
             o_p = o_t
@@ -263,7 +264,8 @@ def _carry_in(summary_ptr, i, n, BLOCK: tl.constexpr):
     o_b = tl.arange(0, BLOCK)
     i_last = tl.full([1], BLOCK - 1, tl.int32)
     one = tl.full([1], 1.0, ACC)
-    c_xa, c_ya, c_pa, c_z, c_q, c_xc, c_yc, c_pc, c_f = one, one * 0, one * 0, one, one * 0, one, one * 0, one * 0, one * 0
+    c_xa, c_ya, c_pa, c_z, c_q, c_xc, c_yc, c_pc = one, one * 0, one * 0, one, one * 0, one, one * 0, one * 0
+    c_f = one * 0
     j = i + 1
     while j < n:
         o_c = j + BLOCK - 1 - o_b  # reversed: lane 0 holds the block's last chunk; lanes past chunk n-1: identities

@@ -339,7 +339,7 @@ def test_segment_gae_cuda_glue_launches_and_ops(monkeypatch, name, R, per, idx, 
     for k in ("_gae_params_kernel", "_gae_chunk_kernel", "_gae_lookback_kernel"):
         monkeypatch.setattr(kgae, k, Stub(k))
     monkeypatch.setattr(kgae, "_sm_count", lambda device: SMS)
-    monkeypatch.delenv("COMPACTIONRL_FAST_POISON", raising=False)  # the suite's NaN fill of outputs: not an op of a call
+    monkeypatch.delenv("COMPACTIONRL_FAST_POISON", raising=False)  # the suite's NaN fill: not an op of a call
     with FakeTensorMode():
         S, T = R * per, 512 * R
         cu = torch.arange(S + 1, dtype=idx, device="cuda") * (T // S)

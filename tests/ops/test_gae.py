@@ -647,3 +647,22 @@ def test_triton_unchecked_bad_offsets_never_crash_in_any_plan():
     env = dict(os.environ, COMPACTIONRL_FAST_CHECKS="0", TRITON_INTERPRET="1", PYTHONPATH=root)
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0 and "survived" in p.stdout, f"rc={p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+
+
+@needs_triton
+@pytest.mark.parametrize("chunk", [16, 0], ids=["chunks", "rollout-chunks"])
+def test_triton_placed_segments_in_every_chunk_plan(monkeypatch, chunk):
+    """Placed segments (the kernels read start[s] - cu[s] per token) over many chunks: both passes of the chunk
+    plan and the per-rollout plan give the packed numbers at the moved positions."""
+    _with_plan(monkeypatch, block=16, chunk=chunk)
+    b = packed_batch(random_case(3, n_rollouts=5, max_len=80) + SHAPE_TABLE["empty_segments"], seed=3,
+                     index_dtype=torch.int32)
+    rew, val, mask, start, where = _placed(b, 3)
+    for cross in MODES:
+        kw = dict(cross_segment=cross, lam=0.9, gamma=0.99)
+        want = crf.segment_gae(b["rewards"], b["values"], b["loss_mask"], b["cu_seqlens"], b["cu_segments"],
+                               backend="torch", **kw)
+        got = crf.segment_gae(rew, val, mask, b["cu_seqlens"], b["cu_segments"], seg_start=start, backend="triton",
+                              **kw)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g[where], w.float(), atol=2e-6, rtol=2e-6)

@@ -14,19 +14,22 @@ multiplying by its zero coefficients, so a NaN or inf of a later recurrence neve
 The token range [0, T) is cut into chunks and chunks into BLOCK-token blocks; both may span segments
 and rollouts (each lane finds its segment by bisection over `cu_seqlens`). A block is loaded in
 reversed token order so that a forward `tl.associative_scan` composes the maps from the block's end
-(upstream `reverse=True` has an open GPU correctness issue; it is not used). Two launch plans:
+(upstream `reverse=True` has an open GPU correctness issue; it is not used). Two launch plans, each
+params + at most 2 launches, with every size a Python int and every offset read (and clamped) in the kernels:
   * one chunk per rollout (enough rollouts to fill the GPU): one pass from a zero carry;
-  * fixed chunks (few long rollouts): phase 1 stores each chunk's composed map (no writes), phase 2
-    composes them from the last chunk back (one program) into each chunk's carry-in, phase 3 reruns
-    each chunk from its carry-in and writes adv and ret.
+  * fixed chunks of `chunk` tokens (few long rollouts): pass 1 stores each chunk's composed map (no
+    writes); pass 2 composes the maps of the later chunks, up to the first one where the recurrence stops,
+    into the chunk's carry-in, reruns the chunk from it and writes adv and ret.
 Per-segment numbers (lambda, the paper's (gamma*lam)^N_later, reset flags) come from `_gae_params_kernel`,
 one program per rollout (counts included), into [4, S] float64 arrays that the scan reads; no mode enum
-reaches the scan and nothing is read on the host. Offsets are clamped first (`sanitize_offsets`).
+reaches the scan and nothing is read on the host. Offsets are never trusted: every kernel clamps what it
+reads to [0, T] / [0, S] and bisects only inside [0, S), so bad offsets give wrong numbers, never a bad access.
 
 Accumulation is float64: with float32 the worst error against the float64 reference on 3000-token
 segments is 2.2e-6 relative to 1 + |ref| (tolerance 2e-6), float64 gives 6e-8 (float32 output rounding).
 The op is memory-bound; float64 arithmetic is cheap on A100/H100/H200, not on consumer GPUs.
 """
+import functools
 import os
 
 import numpy as np
@@ -35,7 +38,6 @@ import triton
 import triton.language as tl
 
 from compactionrl_fast.ops._alloc import empty
-from compactionrl_fast.ops._validate import sanitize_offsets
 
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
 from .segments import device_guard
@@ -108,8 +110,10 @@ def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, start_ptr, lam_ptr, out_ptr, S,
     lam_critic = tl.zeros([1], tl.float64) + lamc_hi + lamc_lo
     r = tl.program_id(0).to(tl.int64)
     o_1 = tl.arange(0, 1)
-    s0, s1 = tl.load(cs_ptr + r).to(tl.int64), tl.load(cs_ptr + r + 1).to(tl.int64)
-    end = tl.load(cu_ptr + s1).to(tl.int64)  # the rollout's last token + 1
+    # offsets are clamped where read: cs to [0, S], cu to [0, T] (unchecked offsets on CUDA)
+    s0 = tl.minimum(tl.maximum(tl.load(cs_ptr + r).to(tl.int64), 0), S)
+    s1 = tl.minimum(tl.maximum(tl.load(cs_ptr + r + 1).to(tl.int64), 0), S)
+    end = tl.minimum(tl.maximum(tl.load(cu_ptr + s1).to(tl.int64), 0), T)  # the rollout's last token + 1
     o_b = tl.arange(0, BLOCK)
     n_roll = tl.zeros([1], tl.int64)
     if NEED_COUNTS:
@@ -146,7 +150,8 @@ def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, start_ptr, lam_ptr, out_ptr, S,
         else:
             scale = tl.zeros([1], tl.float64) + 1.0
         if CROSS == 2:  # stitched: the recurrence runs on unless no token of the rollout follows
-            reset = tl.where(tl.load(cu_ptr + s + 1 + o_1).to(tl.int64) == end, 1.0, 0.0).to(tl.float64)
+            nxt = tl.minimum(tl.maximum(tl.load(cu_ptr + s + 1 + o_1).to(tl.int64), 0), T)
+            reset = tl.where(nxt == end, 1.0, 0.0).to(tl.float64)
         else:
             reset = tl.zeros([1], tl.float64) + 1.0
         tl.store(out_ptr + s + o_1, gl)
@@ -157,7 +162,29 @@ def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, start_ptr, lam_ptr, out_ptr, S,
 
 
 @triton.jit
-def _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
+def _segments_of(cu_ptr, lo, hi, S, LOG_S):
+    """Segments s_lo, s_hi holding the tokens lo and hi - 1 of a range (the largest s in [0, S) with cu[s] <= t,
+    by LOG_S >= bits(S - 1) bisection steps, so never outside [0, S) whatever cu holds), and n_bisect, the
+    bits of s_hi - s_lo: the steps of `_tile_pass`'s per-token bisection. lo, hi: int64 scalars."""
+    s_lo, s_lo_hi, s_hi, s_hi_hi = lo * 0, lo * 0 + S - 1, lo * 0, lo * 0 + S - 1
+    for _ in range(LOG_S):
+        mid = (s_lo + s_lo_hi + 1) // 2
+        le = tl.load(cu_ptr + mid).to(tl.int64) <= lo
+        s_lo, s_lo_hi = tl.where(le, mid, s_lo), tl.where(le, s_lo_hi, mid - 1)
+        mid = (s_hi + s_hi_hi + 1) // 2
+        le = tl.load(cu_ptr + mid).to(tl.int64) <= hi - 1
+        s_hi, s_hi_hi = tl.where(le, mid, s_hi), tl.where(le, s_hi_hi, mid - 1)
+    # in integers (a float log2 made triton 3.7 use stack)
+    n_bisect = lo * 0
+    w = s_hi - s_lo
+    for _ in range(LOG_S):
+        n_bisect += tl.where(w > 0, 1, 0)
+        w = w // 2
+    return s_lo, s_hi, n_bisect
+
+
+@triton.jit
+def _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
                lo, hi, s_lo, s_hi, n_bisect, gamma, a_c, v_c, ac_c,
                BLOCK: tl.constexpr, WRITE: tl.constexpr, OWN_CRITIC: tl.constexpr, HAS_START: tl.constexpr):
     """Tokens [lo, hi) backwards, BLOCK at a time; blocks may span segments s_lo..s_hi (n_bisect = bits of
@@ -181,8 +208,9 @@ def _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr
             b_le = tl.load(cu_ptr + b_mid).to(tl.int64) <= o_t
             b_s, b_s_hi = tl.where(b_le, b_mid, b_s), tl.where(b_le, b_s_hi, b_mid - 1)
         # [BLOCK]
-        if HAS_START:  # token t of segment s sits at t + shift[s] (placed segments, e.g. padded rows)
-            o_p = o_t + tl.load(shift_ptr + b_s, mask=m_t, other=0)
+        if HAS_START:  # token t of segment s sits at t + start[s] - cu[s] (placed segments, e.g. padded rows)
+            shift = tl.load(start_ptr + b_s, mask=m_t, other=0) - tl.load(cu_ptr + b_s, mask=m_t, other=0).to(tl.int64)
+            o_p = o_t + shift
             m_t = m_t & (o_p >= 0) & (o_p < T)  # unchecked placements never reach outside [0, T)
         else:
             o_p = o_t
@@ -229,41 +257,84 @@ def _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr
 
 
 @triton.jit
-def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, cb_ptr, seg_ptr, gl_ptr, glc_ptr, scale_ptr,
-                      reset_ptr, gamma_hi, gamma_lo, carry_ptr, summary_ptr, adv_ptr, ret_ptr, n_chunks,
-                      BLOCK: tl.constexpr, WRITE: tl.constexpr, OWN_CRITIC: tl.constexpr, HAS_START: tl.constexpr):
-    """One chunk [cb[c], cb[c+1]) backwards (`_tile_pass`).
+def _carry_in(summary_ptr, i, n, BLOCK: tl.constexpr):
+    """The carry (a, v, ac) into the end of chunk i: the maps of chunks i+1, i+2, ... (`summary` [N_MAP, n]
+    float64) composed BLOCK at a time until one stops the recurrence (nothing later can flow in), applied to
+    the zero state past the last chunk, which leaves the composed map's constant terms."""
+    o_b = tl.arange(0, BLOCK)
+    i_last = tl.full([1], BLOCK - 1, tl.int32)
+    one = tl.full([1], 1.0, ACC)
+    c_xa, c_ya, c_pa, c_z, c_q, c_xc, c_yc, c_pc = one, one * 0, one * 0, one, one * 0, one, one * 0, one * 0
+    c_f = one * 0
+    j = i + 1
+    while j < n:
+        o_c = j + BLOCK - 1 - o_b  # reversed: lane 0 holds the block's last chunk; lanes past chunk n-1: identities
+        m_c = o_c < n
+        p = summary_ptr + o_c
+        # [BLOCK] each
+        b_xa, b_ya, b_pa = tl.load(p, mask=m_c, other=1.0), tl.load(p + n, mask=m_c, other=0.0), tl.load(
+            p + 2 * n, mask=m_c, other=0.0)
+        b_z, b_q = tl.load(p + 3 * n, mask=m_c, other=1.0), tl.load(p + 4 * n, mask=m_c, other=0.0)
+        b_xc, b_yc, b_pc = tl.load(p + 5 * n, mask=m_c, other=1.0), tl.load(p + 6 * n, mask=m_c, other=0.0), tl.load(
+            p + 7 * n, mask=m_c, other=0.0)
+        b_f = tl.load(p + 8 * n, mask=m_c, other=0.0)
+        b_xa, b_ya, b_pa, b_z, b_q, b_xc, b_yc, b_pc, b_f = tl.associative_scan(
+            (b_xa, b_ya, b_pa, b_z, b_q, b_xc, b_yc, b_pc, b_f), 0, _compose)
+        # the chunks so far (earlier) applied after this block (later)
+        c_xa, c_ya, c_pa, c_z, c_q, c_xc, c_yc, c_pc, c_f = _compose(
+            tl.gather(b_xa, i_last, 0), tl.gather(b_ya, i_last, 0), tl.gather(b_pa, i_last, 0),
+            tl.gather(b_z, i_last, 0), tl.gather(b_q, i_last, 0), tl.gather(b_xc, i_last, 0),
+            tl.gather(b_yc, i_last, 0), tl.gather(b_pc, i_last, 0), tl.gather(b_f, i_last, 0),
+            c_xa, c_ya, c_pa, c_z, c_q, c_xc, c_yc, c_pc, c_f)
+        j += BLOCK
+        if tl.max(c_f, 0) != 0:
+            j = j * 0 + n  # n in j's int64 type (the JIT passes a small n as int32)
+    return c_pa, c_q, c_pc
 
-    WRITE=False (phase 1): store the chunk's composed map to `summary` [N_MAP, n_chunks] float64.
-    WRITE=True (phase 3): start from `carry` [3, n_chunks] float64 (a, v, ac) and write adv, ret [T].
+
+@triton.jit
+def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, cs_ptr, start_ptr, T, S, LOG_S, params_ptr, gamma_hi,
+                      gamma_lo, summary_ptr, adv_ptr, ret_ptr, n_chunks, chunk, BLOCK: tl.constexpr,
+                      WRITE: tl.constexpr, CARRY: tl.constexpr, OWN_CRITIC: tl.constexpr, HAS_START: tl.constexpr,
+                      CARRY_BLOCK: tl.constexpr):
+    """Chunk c backwards (`_tile_pass`): the tokens [c*chunk, min(T, (c+1)*chunk)), or for chunk = 0 the
+    tokens of rollout c, [cu[cs[c]], cu[cs[c+1]]). params: float64 [4, S] (`gae_params`).
+
+    WRITE=False (pass 1): store the chunk's composed map to `summary` [N_MAP, n_chunks] float64.
+    WRITE=True: write adv, ret [T] from the carry at the chunk's end: zero, or with CARRY the later chunks'
+    maps from `summary` composed (`_carry_in`).
     """
     pid = tl.program_id(0).to(tl.int64)
     if WRITE:
-        # reversed chunk order: the data phase 1 read last is the likeliest to still be in L2
+        # reversed chunk order: the data pass 1 read last is the likeliest to still be in L2
         i_c = n_chunks - 1 - pid
     else:
         i_c = pid
-    lo, hi = tl.load(cb_ptr + i_c), tl.load(cb_ptr + i_c + 1)
-    # segments s_lo..s_hi overlap the chunk; n_bisect = ceil(log2(s_hi - s_lo + 1))
-    s_lo, s_hi = tl.load(seg_ptr + i_c), tl.load(seg_ptr + n_chunks + i_c)
-    n_bisect = tl.load(seg_ptr + 2 * n_chunks + i_c)
+    if chunk > 0:
+        lo = i_c * chunk
+        hi = tl.minimum(lo + chunk, T)
+    else:  # offsets clamped where read
+        r0 = tl.minimum(tl.maximum(tl.load(cs_ptr + i_c).to(tl.int64), 0), S)
+        r1 = tl.minimum(tl.maximum(tl.load(cs_ptr + i_c + 1).to(tl.int64), 0), S)
+        lo = tl.minimum(tl.maximum(tl.load(cu_ptr + r0).to(tl.int64), 0), T)
+        hi = tl.minimum(tl.maximum(tl.load(cu_ptr + r1).to(tl.int64), lo), T)
+    s_lo, s_hi, n_bisect = _segments_of(cu_ptr, lo, hi, S, LOG_S)
     gamma = tl.zeros([1], ACC) + gamma_hi + gamma_lo
     o_1 = tl.arange(0, 1)
-    if WRITE:
-        a_c = tl.load(carry_ptr + i_c + o_1)
-        v_c = tl.load(carry_ptr + n_chunks + i_c + o_1)
-        ac_c = tl.load(carry_ptr + 2 * n_chunks + i_c + o_1)
+    if WRITE and CARRY:
+        a_c, v_c, ac_c = _carry_in(summary_ptr, i_c, n_chunks, CARRY_BLOCK)
     else:
         a_c, v_c, ac_c = tl.zeros([1], ACC), tl.zeros([1], ACC), tl.zeros([1], ACC)
     m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc, m_f = _tile_pass(
-        rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
-        lo, hi, s_lo, s_hi, n_bisect, gamma, a_c, v_c, ac_c, BLOCK, WRITE, OWN_CRITIC, HAS_START)
+        rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, params_ptr, params_ptr + S, params_ptr + 2 * S,
+        params_ptr + 3 * S, adv_ptr, ret_ptr, lo, hi, s_lo, s_hi, n_bisect, gamma, a_c, v_c, ac_c, BLOCK, WRITE,
+        OWN_CRITIC, HAS_START)
     if not WRITE:
         _store_map(summary_ptr + i_c + o_1, n_chunks, m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc, m_f)
 
 
 @triton.jit
-def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, S, gl_ptr, glc_ptr, scale_ptr, reset_ptr,
+def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, S, gl_ptr, glc_ptr, scale_ptr, reset_ptr,
                          gamma_hi, gamma_lo, ws_ptr, agg_ptr, incl_ptr, adv_ptr, ret_ptr, n_tiles, LOG_S,
                          TILE: tl.constexpr, BLOCK: tl.constexpr, OWN_CRITIC: tl.constexpr, HAS_START: tl.constexpr):
     """Single-pass reverse scan with decoupled look-back (the mirror of the CUB/Merrill-Garland scheme).
@@ -278,26 +349,12 @@ def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, S, gl
     i = n_tiles - 1 - vid
     lo = i * TILE
     hi = tl.minimum(lo + TILE, T)
-    # segments holding the tile's first and last tokens: the largest s with cu[s] <= t (bisection on [0, S))
-    s_lo, s_lo_hi, s_hi, s_hi_hi = lo * 0, lo * 0 + S - 1, lo * 0, lo * 0 + S - 1
-    for _ in range(LOG_S):
-        mid = (s_lo + s_lo_hi + 1) // 2
-        le = tl.load(cu_ptr + mid).to(tl.int64) <= lo
-        s_lo, s_lo_hi = tl.where(le, mid, s_lo), tl.where(le, s_lo_hi, mid - 1)
-        mid = (s_hi + s_hi_hi + 1) // 2
-        le = tl.load(cu_ptr + mid).to(tl.int64) <= hi - 1
-        s_hi, s_hi_hi = tl.where(le, mid, s_hi), tl.where(le, s_hi_hi, mid - 1)
-    # bits of s_hi - s_lo (the per-token bisection's steps), in integers (a float log2 made triton 3.7 use stack)
-    n_bisect = lo * 0
-    w = s_hi - s_lo
-    for _ in range(LOG_S):
-        n_bisect += tl.where(w > 0, 1, 0)
-        w = w // 2
+    s_lo, s_hi, n_bisect = _segments_of(cu_ptr, lo, hi, S, LOG_S)
     gamma = tl.zeros([1], ACC) + gamma_hi + gamma_lo
     zero = tl.zeros([1], ACC)
     o_1 = tl.arange(0, 1)
     m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc, m_f = _tile_pass(
-        rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
+        rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
         lo, hi, s_lo, s_hi, n_bisect, gamma, zero, zero, zero, BLOCK, False, OWN_CRITIC, HAS_START)
     if not OWN_CRITIC:
         m_xc, m_yc, m_pc = m_xa, m_ya, m_pa
@@ -322,7 +379,7 @@ def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, S, gl
             s_a = tl.load(p_i, volatile=True)
             s_v = tl.load(p_i + n_tiles, volatile=True)
             s_ac = tl.load(p_i + 2 * n_tiles, volatile=True)
-            j = n_tiles
+            j = j * 0 + n_tiles  # n_tiles in j's int64 type (the JIT passes a small n_tiles as int32)
         else:
             p_j = agg_ptr + j + o_1
             g_xa, g_ya, g_pa = tl.load(p_j, volatile=True), tl.load(p_j + n_tiles, volatile=True), tl.load(
@@ -345,99 +402,81 @@ def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, S, gl
     tl.store(p_i + 2 * n_tiles, _apply(m_f, m_xc, m_yc, m_pc, ac_c, v_c))
     tl.debug_barrier()
     tl.atomic_xchg(flag + i, 2, sem="release")
-    _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, shift_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
+    _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
                lo, hi, s_lo, s_hi, n_bisect, gamma, a_c, v_c, ac_c, BLOCK, True, OWN_CRITIC, HAS_START)
-
-
-@triton.jit
-def _gae_carry_kernel(summary_ptr, carry_ptr, n_chunks, BLOCK: tl.constexpr):
-    """Phase 2, one program: carry[:, c] = map[c+1](map[c+2](... map[n-1](0))) for every chunk c."""
-    o_b = tl.arange(0, BLOCK)
-    i_last = tl.full([1], BLOCK - 1, tl.int32)
-    a_b, v_b, ac_b = tl.zeros([1], ACC), tl.zeros([1], ACC), tl.zeros([1], ACC)
-    for i_b in range((n_chunks + BLOCK - 1) // BLOCK):
-        o_c = n_chunks - 1 - i_b * BLOCK - o_b  # reversed: the chunk whose carry-in this lane computes
-        m_c = o_c >= 0
-        p_s = summary_ptr + o_c + 1  # the map of the chunk after it (identity past the last chunk)
-        m_s = m_c & (o_c + 1 < n_chunks)
-        # [BLOCK] each
-        b_xa = tl.load(p_s, mask=m_s, other=1.0)
-        b_ya = tl.load(p_s + n_chunks, mask=m_s, other=0.0)
-        b_pa = tl.load(p_s + 2 * n_chunks, mask=m_s, other=0.0)
-        b_z = tl.load(p_s + 3 * n_chunks, mask=m_s, other=1.0)
-        b_q = tl.load(p_s + 4 * n_chunks, mask=m_s, other=0.0)
-        b_xc = tl.load(p_s + 5 * n_chunks, mask=m_s, other=1.0)
-        b_yc = tl.load(p_s + 6 * n_chunks, mask=m_s, other=0.0)
-        b_pc = tl.load(p_s + 7 * n_chunks, mask=m_s, other=0.0)
-        b_f = tl.load(p_s + 8 * n_chunks, mask=m_s, other=0.0)
-        b_xa, b_ya, b_pa, b_z, b_q, b_xc, b_yc, b_pc, b_f = tl.associative_scan(
-            (b_xa, b_ya, b_pa, b_z, b_q, b_xc, b_yc, b_pc, b_f), 0, _compose)
-        b_a = _apply(b_f, b_xa, b_ya, b_pa, a_b, v_b)
-        b_v = _apply(b_f, b_z, 0.0, b_q, v_b, 0.0)
-        b_ac = _apply(b_f, b_xc, b_yc, b_pc, ac_b, v_b)
-        tl.store(carry_ptr + o_c, b_a, mask=m_c)
-        tl.store(carry_ptr + n_chunks + o_c, b_v, mask=m_c)
-        tl.store(carry_ptr + 2 * n_chunks + o_c, b_ac, mask=m_c)
-        # lanes past the first chunk hold identity maps: the last lane carries into the next block
-        a_b, v_b, ac_b = tl.gather(b_a, i_last, 0), tl.gather(b_v, i_last, 0), tl.gather(b_ac, i_last, 0)
 
 
 BLOCK = 256             # tokens per block on GPU: <= 168 registers at 4 warps, no spills (tests/test_aot.py)
 INTERPRET_BLOCK = 32768  # at most; the interpreter pays per operation, not per element: few, large blocks
-CARRY_BLOCK = 256       # chunk maps per block in phase 2
+CARRY_BLOCK = 128       # later chunks' maps per step of `_carry_in` (the first step usually meets a stop)
 PARAMS_BLOCK = 1024     # mask bytes per step of the per-rollout count
 LOOKBACK_TILE = 2048    # tokens per tile of the look-back plan (GPU)
 LOOKBACK_BLOCK = 128    # tokens per step inside a look-back tile (256: 128 registers and stack use on triton 3.7)
 NUM_WARPS = 4
 
 
-def _sig(idx):
-    return {"mask_ptr": "*u8", "cu_ptr": f"*{idx}", "shift_ptr": "*i64", "T": "i64", "cb_ptr": "*i64", "seg_ptr": "*i64"}
-
-
 # (kernel name, signature, constexprs) compiled ahead of time for sm_80/sm_90 by tests/test_aot.py: every
-# flag combination with int64 offsets, the default path (WRITE, OWN_CRITIC) with int32 offsets too
-_CHUNK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", gl_ptr="*fp64", glc_ptr="*fp64", scale_ptr="*fp64",
-                  reset_ptr="*fp64", gamma_hi="fp32", gamma_lo="fp32", carry_ptr="*fp64", summary_ptr="*fp64", adv_ptr="*fp32",
-                  ret_ptr="*fp32", n_chunks="i64")
-_PARAMS_SIG = dict(mask_ptr="*u8", cu_ptr="*i64", cs_ptr="*i64", start_ptr="*i64", lam_ptr="*fp32", out_ptr="*fp64",
-                   S="i64", T="i64",
+# flag combination with int64 offsets, the default path (WRITE, OWN_CRITIC) with int32 offsets too, and the
+# sizes as the JIT types them for a usual call (a Python int below 2^31 is an i32 argument).
+# The loss mask is passed as the bool tensor itself (*i1: Triton loads its bytes).
+def _offsets(idx):
+    return {"mask_ptr": "*i1", "cu_ptr": f"*{idx}", "cs_ptr": f"*{idx}"}
+
+
+def _small(sig):
+    return {k: "i32" if k in ("T", "S", "n_chunks", "chunk", "n_tiles") else v for k, v in sig.items()}
+
+
+_CHUNK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", start_ptr="*i64", T="i64", S="i64", LOG_S="i32", params_ptr="*fp64",
+                  gamma_hi="fp32", gamma_lo="fp32", summary_ptr="*fp64", adv_ptr="*fp32", ret_ptr="*fp32",
+                  n_chunks="i64", chunk="i64")
+_PARAMS_SIG = dict(start_ptr="*i64", lam_ptr="*fp32", out_ptr="*fp64", S="i64", T="i64",
                    **{f"{k}_{p}": "fp32" for k in ("gamma", "lam", "alpha", "lamc") for p in ("hi", "lo")})
-AOT_SPECS = [("_gae_params_kernel", _PARAMS_SIG, {"LAM_MODE": mode, "CROSS": cross, "NEED_COUNTS": counts,
-                                                  "HAS_START": start, "BLOCK": PARAMS_BLOCK})
-             for mode, cross, counts, start in [(0, 0, False, False), (2, 1, True, False), (1, 2, True, True),
-                                                (3, 1, True, True)]]
-AOT_SPECS += [("_gae_chunk_kernel", dict(_sig(idx), **_CHUNK_SIG),
-               {"BLOCK": 256, "WRITE": write, "OWN_CRITIC": own, "HAS_START": start})
-              for idx, write, own, start in [("i64", False, False, False), ("i64", False, True, False),
-                                             ("i64", True, False, False), ("i64", True, True, False),
-                                             ("i64", False, True, True), ("i64", True, True, True)]]
-_LOOKBACK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", mask_ptr="*u8", cu_ptr="*i64", shift_ptr="*i64", T="i64",
+AOT_SPECS = [("_gae_params_kernel", dict(_offsets(idx), **_PARAMS_SIG),
+              {"LAM_MODE": mode, "CROSS": cross, "NEED_COUNTS": counts, "HAS_START": start, "BLOCK": PARAMS_BLOCK})
+             for idx, mode, cross, counts, start in [("i64", 0, 0, False, False), ("i64", 2, 1, True, False),
+                                                     ("i32", 2, 1, True, False), ("i64", 1, 2, True, True),
+                                                     ("i64", 3, 1, True, True)]]
+AOT_SPECS += [("_gae_chunk_kernel", dict(_offsets(idx), **_CHUNK_SIG),
+               {"BLOCK": BLOCK, "WRITE": write, "CARRY": carry, "OWN_CRITIC": own, "HAS_START": start,
+                "CARRY_BLOCK": CARRY_BLOCK})
+              for idx, write, carry, own, start in [
+                  ("i64", False, False, False, False), ("i64", False, False, True, False),
+                  ("i64", True, False, False, False), ("i64", True, False, True, False),
+                  ("i64", True, True, False, False), ("i64", True, True, True, False),
+                  ("i32", True, False, True, False), ("i32", True, True, True, False),
+                  ("i64", False, False, True, True), ("i64", True, True, True, True)]]
+_LOOKBACK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", mask_ptr="*i1", cu_ptr="*i64", start_ptr="*i64", T="i64",
                      S="i64", gl_ptr="*fp64", glc_ptr="*fp64", scale_ptr="*fp64", reset_ptr="*fp64", gamma_hi="fp32",
                      gamma_lo="fp32", ws_ptr="*i32", agg_ptr="*fp64", incl_ptr="*fp64", adv_ptr="*fp32",
                      ret_ptr="*fp32", n_tiles="i64", LOG_S="i32")
 AOT_SPECS += [("_gae_lookback_kernel", _LOOKBACK_SIG, {"TILE": LOOKBACK_TILE, "BLOCK": LOOKBACK_BLOCK, "OWN_CRITIC": own,
                                                        "HAS_START": start})
               for own, start in [(True, False), (False, False), (True, True)]]
-AOT_SPECS += [("_gae_carry_kernel", {"summary_ptr": "*fp64", "carry_ptr": "*fp64", "n_chunks": "i64"},
-               {"BLOCK": 256})]
+_CHUNK_CONSTS = dict(BLOCK=BLOCK, OWN_CRITIC=True, HAS_START=False, CARRY_BLOCK=CARRY_BLOCK)
+AOT_SPECS += [  # a usual call as the JIT types it: int32 offsets, int32 sizes
+    ("_gae_params_kernel", _small(dict(_offsets("i32"), **_PARAMS_SIG)),
+     {"LAM_MODE": 2, "CROSS": 1, "NEED_COUNTS": True, "HAS_START": False, "BLOCK": PARAMS_BLOCK}),
+    ("_gae_chunk_kernel", _small(dict(_offsets("i32"), **_CHUNK_SIG)), dict(_CHUNK_CONSTS, WRITE=False, CARRY=False)),
+    ("_gae_chunk_kernel", _small(dict(_offsets("i32"), **_CHUNK_SIG)), dict(_CHUNK_CONSTS, WRITE=True, CARRY=True)),
+    ("_gae_lookback_kernel", _small(dict(_LOOKBACK_SIG, cu_ptr="*i32")),
+     {"TILE": LOOKBACK_TILE, "BLOCK": LOOKBACK_BLOCK, "OWN_CRITIC": True, "HAS_START": False})]
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
-def _plan(T, R, device, chunk, block):
-    """Chunk boundaries cb [NC+1] (int64) and whether phases 1-2 are needed."""
-    if chunk is None:
-        if device.type == "cuda":
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            # enough rollouts to fill the GPU: one pass over rollouts; else ~4 balanced chunks per SM
-            chunk = 0 if R >= 2 * sms else max(block, triton.cdiv(triton.cdiv(T, 4 * sms), block) * block)
-        else:  # interpreter: one block per chunk, so that long inputs run all three phases
-            chunk = block
-    if chunk == 0:
-        return None, True
-    cb = torch.arange(0, T + chunk, chunk, device=device, dtype=torch.int64).clamp_(max=T)
-    cb = cb[: triton.cdiv(T, chunk) + 1]
-    return cb, cb.numel() == 2
+
+def _chunk_size(T, R, device, chunk, block):
+    """Tokens per chunk (a Python int), 0 for one chunk per rollout; `chunk` given: that."""
+    if chunk is not None:
+        return chunk
+    if device.type == "cuda":
+        sms = _sm_count(device)
+        # enough rollouts to fill the GPU: one pass over rollouts; else ~4 balanced chunks per SM
+        return 0 if R >= 2 * sms else max(block, triton.cdiv(triton.cdiv(T, 4 * sms), block) * block)
+    return block  # interpreter: one block per chunk, so that long inputs run both passes
 
 
 def _split(x: float):
@@ -448,13 +487,13 @@ def _split(x: float):
 
 def gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic, seg_start=None):
     """Per-segment numbers: float64 [4, S] rows gamma*lam_s, gamma*lam_critic_s, scale_s, reset_s.
-    mask: [T] uint8/bool; cu: [S+1], cs: [R+1] int64 (sanitized); lam_seg: [S] float32 or None;
+    mask: [T] bool/uint8; cu: [S+1], cs: [R+1] int32/int64 (read clamped); lam_seg: [S] float32 or None;
     seg_start: [S] int64 where each segment's tokens start (None: at cu[s])."""
     S, R, T = cu.numel() - 1, cs.numel() - 1, mask.numel()
     params = torch.empty(4, S, dtype=torch.float64, device=mask.device)
     if R:
         need_counts = cross == CROSS_PAPER or lam_mode in (LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT)
-        _gae_params_kernel[(R,)](mask.view(torch.uint8), cu, cs, cu if seg_start is None else seg_start,
+        _gae_params_kernel[(R,)](mask, cu, cs, cu if seg_start is None else seg_start,
                                  params if lam_seg is None else lam_seg, params, S, T,
                                  *_split(gamma), *_split(lam), *_split(alpha), *_split(lam_critic), LAM_MODE=lam_mode,
                                  CROSS=cross, NEED_COUNTS=need_counts, HAS_START=seg_start is not None,
@@ -476,7 +515,7 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
 
     Args:
         rewards, values: [T] float32; loss_mask: [T] bool; cu_seqlens: [S+1], cu_segments: [R+1] int32/int64
-            (one dtype, validated by the caller); lam_seg: [S] float32 or None.
+            (one dtype, validated by the caller, never read here); lam_seg: [S] float32 or None.
         gamma, lam, alpha: floats; lam_mode: 0 const, 1 adaptive (segment length), 2 adaptive (rollout
             length), 3 per-segment tensor; cross: 0 none, 1 paper, 2 stitched; lam_critic: < 0 means None.
         seg_start: [S] int64 or None: segment s holds the tokens [seg_start[s], + its length) instead of
@@ -484,8 +523,11 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
         block: tokens per block (power of two); chunk: tokens per chunk, 0 for one chunk per rollout;
             None picks both for the device.
         plan: "lookback" (one launch: single-pass scan with decoupled look-back over tiles of `tile` tokens)
-            or None/"auto": the per-rollout or the 3-phase chunk plan (COMPACTIONRL_FAST_GAE_PLAN sets the
-            default; "auto" stays the default until a GPU measurement says otherwise).
+            or None/"auto": the per-rollout or the chunk plan (COMPACTIONRL_FAST_GAE_PLAN sets the default;
+            "auto" stays the default until a GPU measurement says otherwise).
+
+    Launches: the per-segment numbers, then one scan per rollout (chunk = 0) or the chunk plan's two passes.
+    Host work: the outputs, the [4, S] numbers and the chunk plan's [N_MAP, n_chunks] maps; no device read.
 
     Returns:
         (advantages [T] float32, returns [T] float32), zero at non-trainable positions.
@@ -495,45 +537,34 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
     adv, ret = empty(T, device=dev), empty(T, device=dev)
     if T == 0:
         return adv, ret
+    if S == 0 or R == 0:  # tokens but no segment (unchecked offsets): no token is trainable
+        return adv.zero_(), ret.zero_()
     if not block:
         block = BLOCK if dev.type == "cuda" else min(INTERPRET_BLOCK, triton.next_power_of_2(max(T, 16)))
-    cu, cs = sanitize_offsets(cu_seqlens, T), sanitize_offsets(cu_segments, S)  # unchecked on CUDA
-    mask = loss_mask.view(torch.uint8)
-    shift = cu if seg_start is None else seg_start - cu[:-1]  # placed segments: token t sits at t + shift[s]
-    own = lam_critic >= 0.0
+    cu, cs = cu_seqlens, cu_segments
+    start = cu if seg_start is None else seg_start  # placed segments: segment s starts at start[s]
+    own, log_s = lam_critic >= 0.0, max(1, S.bit_length())
+    params = gae_params(loss_mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic, seg_start)
     if (plan or os.environ.get("COMPACTIONRL_FAST_GAE_PLAN", "auto")) == "lookback":
-        params = gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic, seg_start)
         tile = tile or (LOOKBACK_TILE if dev.type == "cuda" else block)
         n_tiles = triton.cdiv(T, tile)
         ws = torch.zeros(1 + n_tiles, dtype=torch.int32, device=dev)  # tile counter, flags
         agg = torch.empty(N_MAP, n_tiles, dtype=torch.float64, device=dev)
         incl = torch.empty(3, n_tiles, dtype=torch.float64, device=dev)
-        _gae_lookback_kernel[(n_tiles,)](rewards, values, mask, cu, shift, T, S, *params.unbind(0), *_split(gamma),
-                                         ws, agg, incl, adv, ret, n_tiles, max(1, S.bit_length()), TILE=tile,
-                                         BLOCK=min(LOOKBACK_BLOCK if dev.type == "cuda" else block, tile), OWN_CRITIC=own, HAS_START=seg_start is not None,
-                                         num_warps=NUM_WARPS)
+        _gae_lookback_kernel[(n_tiles,)](rewards, values, loss_mask, cu, start, T, S, *params.unbind(0),
+                                         *_split(gamma), ws, agg, incl, adv, ret, n_tiles, log_s, TILE=tile,
+                                         BLOCK=min(LOOKBACK_BLOCK if dev.type == "cuda" else block, tile),
+                                         OWN_CRITIC=own, HAS_START=seg_start is not None, num_warps=NUM_WARPS)
         return adv, ret
-    cb, single = _plan(T, R, dev, chunk, block)
-    if cb is None:  # one chunk per rollout
-        cb = cu[cs]
-    n_chunks = cb.numel() - 1
-    # segments overlapping each chunk: the one holding its first token .. the one holding its last
-    seg_lo = torch.searchsorted(cu, cb[:-1], right=True) - 1
-    seg_hi = torch.searchsorted(cu, cb[1:] - 1, right=True) - 1
-    w = (seg_hi - seg_lo).clamp(min=0)
-    n_bisect = torch.where(w > 0, torch.floor(torch.log2(w.double().clamp(min=1))) + 1, 0).long()  # bits of w
-    seg = torch.stack([seg_lo, seg_hi, n_bisect])
-    params = gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic, seg_start)
-    gl, glc, scale, reset = params.unbind(0)
-    carry = torch.zeros(3, n_chunks, dtype=torch.float64, device=dev)
-    args = (rewards, values, mask, cu, shift, T, cb, seg, gl, glc, scale, reset,
-            *_split(gamma))
-    flags = dict(BLOCK=block, OWN_CRITIC=own, HAS_START=seg_start is not None, num_warps=NUM_WARPS)
-    if not single:
-        summary = torch.empty(N_MAP, n_chunks, dtype=torch.float64, device=dev)
-        _gae_chunk_kernel[(n_chunks,)](*args, carry, summary, adv, ret, n_chunks, WRITE=False, **flags)
-        _gae_carry_kernel[(1,)](summary, carry, n_chunks, BLOCK=CARRY_BLOCK, num_warps=NUM_WARPS)
-    else:
-        summary = carry
-    _gae_chunk_kernel[(n_chunks,)](*args, carry, summary, adv, ret, n_chunks, WRITE=True, **flags)
+    chunk = _chunk_size(T, R, dev, chunk, block)
+    n_chunks = R if chunk == 0 else triton.cdiv(T, chunk)
+    carry = chunk > 0 and n_chunks > 1  # chunks that start inside a recurrence: pass 1 stores their maps
+    summary = torch.empty(N_MAP, n_chunks, dtype=torch.float64, device=dev) if carry else params
+    args = (rewards, values, loss_mask, cu, cs, start, T, S, log_s, params, *_split(gamma), summary, adv, ret,
+            n_chunks, chunk)
+    flags = dict(BLOCK=block, OWN_CRITIC=own, HAS_START=seg_start is not None, CARRY_BLOCK=CARRY_BLOCK,
+                 num_warps=NUM_WARPS)
+    if carry:
+        _gae_chunk_kernel[(n_chunks,)](*args, WRITE=False, CARRY=False, **flags)
+    _gae_chunk_kernel[(n_chunks,)](*args, WRITE=True, CARRY=carry, **flags)
     return adv, ret

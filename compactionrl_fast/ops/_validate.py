@@ -102,13 +102,3 @@ def check_choice(name, x, choices):
     if x not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {x!r}")
     return x
-
-
-def sanitize_offsets(cu, total):
-    """int64 offsets that are always safe to index with: clamped to [0, total], first 0, last `total`,
-    non-decreasing. Valid offsets come back unchanged; bad ones give a wrong layout, never a bad access.
-    cu: [N+1] int32/int64 -> int64 [N+1]."""
-    c = cu.long().clamp(0, total)
-    if c.numel():
-        c[0], c[-1] = 0, total
-    return torch.cummax(c, 0).values

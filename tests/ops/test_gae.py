@@ -562,7 +562,7 @@ def test_nan_value_stays_in_its_recurrence(monkeypatch, plan):
     """A NaN value on a trainable token poisons only the tokens whose recurrence reaches it (its own segment
     before it, and earlier segments where the carry crosses segments), as on the C++ and reference
     backends: the Triton maps are never multiplied through a reset (0 * NaN), in a block, across blocks,
-    chunks (the carry kernel) or tiles (the look-back)."""
+    chunks (the write pass composing the later chunks' maps) or tiles (the look-back)."""
     _with_plan(monkeypatch, **plan)
     b = packed_batch(random_case(7, n_rollouts=4, max_len=60), seed=7, index_dtype=torch.int64)
     trainable = b["loss_mask"].nonzero().flatten()
@@ -579,6 +579,93 @@ def test_nan_value_stays_in_its_recurrence(monkeypatch, plan):
                 assert torch.equal(g.isnan(), w.isnan()), (mode, gamma, int(k), g.isnan().sum(), w.isnan().sum())
                 torch.testing.assert_close(g, w.float(), atol=2e-6, rtol=2e-6, equal_nan=True)
 
+
+@needs_triton
+@pytest.mark.parametrize("carry_block", [2, 128])
+def test_triton_write_pass_composes_many_later_chunks(monkeypatch, carry_block):
+    """The chunk plan's write pass composes the maps of the later chunks itself, CARRY_BLOCK at a time, up to
+    the first one where the recurrence stops: one long stitched rollout (lam = gamma = 1, the carry reaches
+    its first token from its last) over ~60 chunks walks many blocks of maps; a NaN value in a later segment
+    still stays out of the earlier ones where the recurrence stops between them."""
+    from compactionrl_fast.kernels import gae as kgae
+
+    monkeypatch.setattr(kgae, "CARRY_BLOCK", carry_block)
+    _with_plan(monkeypatch, block=16, chunk=16)
+    b = packed_batch([[(200, "rand"), (0, "all"), (150, "rand"), (5, "none"), (200, "rand")], [(37, "rand")]],
+                     seed=9, index_dtype=torch.int64)
+    assert b["loss_mask"].numel() // 16 > 8 * carry_block or carry_block == 128
+    for mode in MODES:
+        _check_backend("triton", b, gamma=1.0, lam=1.0, cross_segment=mode, lam_critic=0.9)
+    _check_backend("triton", b, gamma=0.999, lam="adaptive", cross_segment="stitched", lam_critic=None)
+    values = b["values"].clone()
+    values[b["loss_mask"].nonzero().flatten()[-60]] = float("nan")  # in the long rollout's last segment
+    for mode in MODES:
+        kw = dict(gamma=1.0, lam=1.0, cross_segment=mode)
+        got = crf.segment_gae(b["rewards"], values, b["loss_mask"], b["cu_seqlens"], b["cu_segments"],
+                              backend="triton", **kw)
+        want = crf.segment_gae(b["rewards"], values, b["loss_mask"], b["cu_seqlens"], b["cu_segments"],
+                               backend="torch", **kw)
+        for g, w in zip(got, want):
+            assert torch.equal(g.isnan(), w.isnan()), (mode, g.isnan().sum(), w.isnan().sum())
+            torch.testing.assert_close(g, w.float(), atol=2e-6, rtol=2e-6, equal_nan=True)
+
+
+@needs_triton
+def test_triton_unchecked_bad_offsets_never_crash_in_any_plan():
+    """COMPACTIONRL_FAST_CHECKS=0 (CUDA's default): the Triton kernels read the offsets themselves and clamp
+    them (no host-side sanitizing), so bad cu_seqlens / cu_segments give some numbers, never an access
+    outside the tensors, in every plan: per-rollout chunks, fixed chunks (both passes), look-back tiles.
+    Run in a subprocess: an out-of-bounds read of the interpreter may kill the process."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = textwrap.dedent("""
+        import functools, torch, compactionrl_fast as crf
+        from compactionrl_fast.kernels import gae as kgae
+        fwd = kgae.segment_gae_fwd
+        T = 12
+        mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
+        x = torch.linspace(-1, 1, T)
+        cus = [[0, 7, 4, 12], [0, 4, 7, 1 << 30], [0, 4, 1 << 40, 12], [0, -3, 7, 12], [0, 4, 7, 9], [5, 4, 7, 12]]
+        css = [[0, 2, 3], [0, 3, 2], [0, 1 << 40, 3], [0, -2, 3], [2, 2, 3], [0, 2, 9]]
+        n = 0
+        for plan in (dict(block=4, chunk=4), dict(block=4, chunk=0), dict(block=4, plan="lookback", tile=4)):
+            kgae.segment_gae_fwd = functools.partial(fwd, **plan)
+            for cu in cus:
+                for cs in css:
+                    n += 1  # index dtype and mode rotate over the cases
+                    small = max(abs(c) for c in cu + cs) < 2**31
+                    idx = torch.int32 if small and n % 2 else torch.int64
+                    adv, ret = crf.segment_gae(x, x, mask, torch.tensor(cu, dtype=idx), torch.tensor(cs, dtype=idx),
+                                               cross_segment=("paper", "none", "stitched")[n % 3], backend="triton")
+                    assert adv.shape == ret.shape == (T,)
+        print("survived", n)
+    """)
+    env = dict(os.environ, COMPACTIONRL_FAST_CHECKS="0", TRITON_INTERPRET="1", PYTHONPATH=root)
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0 and "survived" in p.stdout, f"rc={p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+
+
+@needs_triton
+@pytest.mark.parametrize("chunk", [16, 0], ids=["chunks", "rollout-chunks"])
+def test_triton_placed_segments_in_every_chunk_plan(monkeypatch, chunk):
+    """Placed segments (the kernels read start[s] - cu[s] per token) over many chunks: both passes of the chunk
+    plan and the per-rollout plan give the packed numbers at the moved positions."""
+    _with_plan(monkeypatch, block=16, chunk=chunk)
+    b = packed_batch(random_case(3, n_rollouts=5, max_len=80) + SHAPE_TABLE["empty_segments"], seed=3,
+                     index_dtype=torch.int32)
+    rew, val, mask, start, where = _placed(b, 3)
+    for cross in MODES:
+        kw = dict(cross_segment=cross, lam=0.9, gamma=0.99)
+        want = crf.segment_gae(b["rewards"], b["values"], b["loss_mask"], b["cu_seqlens"], b["cu_segments"],
+                               backend="torch", **kw)
+        got = crf.segment_gae(rew, val, mask, b["cu_seqlens"], b["cu_segments"], seg_start=start, backend="triton",
+                              **kw)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g[where], w.float(), atol=2e-6, rtol=2e-6)
 
 # ---------------------------------------------------------------- CPU SIMD paths
 

@@ -266,44 +266,106 @@ def test_import_is_lazy():
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-2000:]
 
 
-class _CountLaunches:
-    """Stands in for a Triton kernel object and counts its launches."""
+def _count_triton_launches(monkeypatch):
+    """Every Triton launch under the interpreter, whichever kernel: the list of kernel names it fills."""
+    from triton.runtime.interpreter import InterpretedFunction
 
-    def __init__(self, kernel, log):
-        self.kernel, self.log = kernel, log
+    log, run = [], InterpretedFunction.run
 
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.log.append(self.kernel.fn.__name__ if hasattr(self.kernel, "fn") else str(self.kernel))
-            return self.kernel[grid](*args, **kwargs)
+    def counted_run(self, *args, **kwargs):
+        if not kwargs.get("warmup"):
+            log.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
 
-        return launch
+    monkeypatch.setattr(InterpretedFunction, "run", counted_run)
+    return log
 
 
 @pytest.mark.skipif("triton" not in _dispatch.available(torch.device("cpu")), reason="needs the Triton interpreter")
 @pytest.mark.parametrize("chunk,cross,lam,want,plan", [(0, "none", 0.9, 2, None), (0, "paper", "adaptive", 2, None),
-                                                       (None, "paper", "adaptive", 4, None),
+                                                       (None, "paper", "adaptive", 3, None),
+                                                       (40, "stitched", 0.9, 3, None),
                                                        (None, "paper", "adaptive", 2, "lookback")])
 def test_gae_triton_launch_count(monkeypatch, chunk, cross, lam, want, plan):
-    """Kernel launches per call: the per-rollout plan is 2 (the per-segment numbers, the scan); the chunked
-    plan for few long rollouts is 4; the single-pass look-back plan is 2 (plus the zero fill of its flags)."""
+    """Kernel launches per call under the interpreter: the per-rollout plan is 2 (the per-segment numbers, the
+    scan); the chunk plan for few long rollouts is 3 (numbers, chunk maps, the write pass that composes the
+    later chunks' maps itself); the single-pass look-back plan is 2 (plus the zero fill of its flags)."""
     import functools
 
     from compactionrl_fast.kernels import gae as kgae
     from tests.utils import packed_batch
 
-    log = []
-    for k in ("_gae_params_kernel", "_gae_chunk_kernel", "_gae_carry_kernel", "_gae_lookback_kernel"):
-        monkeypatch.setattr(kgae, k, _CountLaunches(getattr(kgae, k), log))
+    log = _count_triton_launches(monkeypatch)
     monkeypatch.setattr(kgae, "segment_gae_fwd", functools.partial(kgae.segment_gae_fwd, chunk=chunk, block=32,
                                                                    plan=plan, tile=32))
     b = packed_batch([[(40, "rand"), (30, "rand")], [(50, "rand")]], index_dtype=torch.int64)
-    adv, _ = crf.segment_gae(b["rewards"], b["values"], b["loss_mask"], b["cu_seqlens"], b["cu_segments"], lam=lam,
-                             cross_segment=cross, backend="triton")
-    want_adv, _ = ref_gae.segment_gae(b["rewards"], b["values"], b["loss_mask"], b["cu_seqlens"], b["cu_segments"],
-                                      lam=lam, cross_segment=cross)
+    adv, ret = crf.segment_gae(b["rewards"], b["values"], b["loss_mask"], b["cu_seqlens"], b["cu_segments"], lam=lam,
+                               cross_segment=cross, backend="triton")
+    want_adv, want_ret = ref_gae.segment_gae(b["rewards"], b["values"], b["loss_mask"], b["cu_seqlens"],
+                                             b["cu_segments"], lam=lam, cross_segment=cross)
     torch.testing.assert_close(adv, want_adv.float(), atol=2e-6, rtol=2e-6)
-    assert len(log) == want, log
+    torch.testing.assert_close(ret, want_ret.float(), atol=2e-6, rtol=2e-6)
+    assert len(log) == want <= 3, log
+
+
+SMS = 132  # the fake GPU's SM count: the per-rollout plan from R >= 2 * SMS rollouts
+GAE_GLUE_CASES = [  # (id, rollouts, segments per rollout, offsets dtype, keywords of crf.segment_gae)
+    ("chunks", 2, 3, torch.int64, {}), ("chunks int32", 2, 3, torch.int32, dict(lam=0.9, cross_segment="stitched")),
+    ("chunks lam tensor", 3, 2, torch.int64, dict(lam="tensor", lam_critic=None)),
+    ("chunks placed", 2, 2, torch.int64, dict(seg_start=True)),
+    ("rollouts", 2 * SMS, 2, torch.int64, {}), ("rollouts int32", 2 * SMS + 5, 1, torch.int32, dict(lam=0.95)),
+    ("rollouts lam tensor", 300, 2, torch.int64, dict(lam="tensor", cross_segment="none")),
+]
+
+
+@pytest.mark.skipif(not _dispatch.has_triton(), reason="the CUDA default backend is triton")
+@pytest.mark.parametrize("name,R,per,idx,kw", GAE_GLUE_CASES, ids=[c[0] for c in GAE_GLUE_CASES])
+def test_segment_gae_cuda_glue_launches_and_ops(monkeypatch, name, R, per, idx, kw):
+    """segment_gae on fake CUDA tensors, down to its Triton launches (stubbed: they only record themselves):
+    at most 3 launches and at most 8 eager torch ops per call besides the outputs' allocation, counting the
+    public wrapper's ops (the custom op's own dispatch excluded) and the launcher's. Both plans: few long
+    rollouts (chunks) and R >= 2 * SMs rollouts (one chunk per rollout). A host read raises here."""
+    from compactionrl_fast.kernels import gae as kgae
+
+    launches = []
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, grid, kwargs.get("WRITE")))
+
+    for k in ("_gae_params_kernel", "_gae_chunk_kernel", "_gae_lookback_kernel"):
+        monkeypatch.setattr(kgae, k, Stub(k))
+    monkeypatch.setattr(kgae, "_sm_count", lambda device: SMS)
+    monkeypatch.delenv("COMPACTIONRL_FAST_POISON", raising=False)  # the suite's NaN fill: not an op of a call
+    with FakeTensorMode():
+        S, T = R * per, 512 * R
+        cu = torch.arange(S + 1, dtype=idx, device="cuda") * (T // S)
+        cs = torch.arange(R + 1, dtype=idx, device="cuda") * per
+        x, mask = torch.zeros(T, device="cuda"), torch.ones(T, dtype=torch.bool, device="cuda")
+        kw = dict(kw)
+        if kw.get("lam") == "tensor":
+            kw["lam"] = torch.full((S,), 0.9, device="cuda")
+        if kw.get("seg_start"):
+            kw["seg_start"] = torch.arange(S, device="cuda").flip(0) * (T // S)
+        outer, inner, calls = CountOps(), CountOps(), []
+        with outer:  # the public op: its custom op runs its fake impl here
+            crf.segment_gae(x, x, mask, cu, cs, **kw)
+        with monkeypatch.context() as m:  # the arguments the public op hands its custom op
+            m.setattr(torch.ops.compactionrl_fast, "segment_gae_triton", lambda *a: calls.append(a) or (x, x))
+            crf.segment_gae(x, x, mask, cu, cs, **kw)
+        with inner:  # the launcher the custom op runs (its device guard left out: no CUDA here)
+            kgae._segment_gae_fwd(*calls[0])
+    chunked = R < 2 * SMS
+    assert [n for n, _, _ in launches] == ["_gae_params_kernel"] + ["_gae_chunk_kernel"] * (1 + chunked), launches
+    assert [w for _, _, w in launches[1:]] == [False] * chunked + [True], launches
+    assert launches[0][1] == (R,) and (chunked or launches[-1][1] == (R,)), launches  # one program per rollout
+    outer.ops.pop("compactionrl_fast.segment_gae_triton.default")
+    inner.ops["aten.empty.memory_format"] -= 2  # adv and ret, the outputs
+    total = outer.total + inner.total
+    assert total <= 8, f"{name}: {total} ops > 8: wrapper {dict(outer.ops)}, launcher {dict(inner.ops)}"
 
 
 @pytest.mark.skipif("triton" not in _dispatch.available(torch.device("cpu")), reason="needs the Triton interpreter")
@@ -389,19 +451,10 @@ def test_loss_triton_launch_count(monkeypatch, loss, reduction, layout, den, wan
     (a counts kernel when they need counts, one program for the weights), then the loss kernel, whose last
     program adds the partials: at most 3, and no torch op finishes the reduction. Every Triton launch is
     counted (the interpreter's launch entry point is wrapped), whichever kernel it is."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     from compactionrl_fast.reference import losses as ref_losses
     from tests.utils import packed_batch
 
-    log, run = [], InterpretedFunction.run
-
-    def counted_run(self, *args, **kwargs):
-        if not kwargs.get("warmup"):
-            log.append(self.fn.__name__)
-        return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", counted_run)
+    log = _count_triton_launches(monkeypatch)
     # 2,500 tokens: three loss programs, so the finish adds partials written by other programs
     b = packed_batch([[(900, "rand"), (0, "rand"), (700, "rand")], [(5, "all")], [(895, "rand")]], index_dtype=torch.int64)
     T = b["loss_mask"].numel()

@@ -83,17 +83,6 @@ def test_check_choice():
         V.check_choice("mode", "c", ("a", "b"))
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_sanitize_offsets(dtype):
-    ok = torch.tensor([0, 2, 2, 7], dtype=dtype)
-    out = V.sanitize_offsets(ok, 7)
-    assert out.dtype == torch.int64 and out.tolist() == [0, 2, 2, 7]
-    assert ok.tolist() == [0, 2, 2, 7]  # the input is not modified
-    bad = torch.tensor([3, -1, 9, 4, 5], dtype=dtype)
-    assert V.sanitize_offsets(bad, 7).tolist() == [0, 0, 7, 7, 7]  # clamped, first 0, last 7, non-decreasing
-    assert V.sanitize_offsets(torch.zeros(0, dtype=dtype), 7).tolist() == []
-
-
 def test_checks_mode(monkeypatch):
     assert V.checks_mode() == "auto"
     for raw, want in ((" 1 ", "1"), ("0", "0"), ("AUTO", "auto"), ("", "auto")):

@@ -50,6 +50,13 @@ def segment_scale(o_t, cu, scale, S, n_iter, PER_SEG: tl.constexpr):
 
 
 @triton.jit
+def weight_scale(x, w):
+    """x * w for tokens' reduction weights w: 0 where w = 0 even if x overflowed float32 (a denominator of 0;
+    the float64 reference gives 0 there), NaN kept."""
+    return tl.where(w == 0.0, tl.where(x == x, 0.0, x), x * w)
+
+
+@triton.jit
 def last_program(ticket):
     """True in the one program that finishes last: its partials and every other program's are stored.
 
@@ -130,9 +137,9 @@ def ppo_loss_fwd_kernel(logp, old, adv, roll, mask, cu, scale, grad, part, ticke
         b_l = tl.where((b_l == 0.0) & b_big, b_l, b_l * b_is)
         b_g = tl.where((b_g == 0.0) & b_big, b_g, b_g * b_is)
     if NEED_GRAD:
-        tl.store(grad + o_t, tl.where(b_m, b_g * b_w, 0.0), mask=m_t)
+        tl.store(grad + o_t, tl.where(b_m, weight_scale(b_g, b_w), 0.0), mask=m_t)
     p_part = part + i_b * 8
-    tl.store(p_part + 0, tl.sum(tl.where(b_m, b_l * b_w, 0.0), 0))
+    tl.store(p_part + 0, tl.sum(tl.where(b_m, weight_scale(b_l, b_w), 0.0), 0))
     tl.store(p_part + 1, tl.sum(b_m.to(tl.float32), 0))
     tl.store(p_part + 2, tl.sum((b_m & b_clip).to(tl.float32), 0))
     tl.store(p_part + 3, tl.sum((b_m & b_dual).to(tl.float32), 0))

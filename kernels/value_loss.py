@@ -15,7 +15,7 @@ from compactionrl_fast.ops._alloc import empty
 
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
 
-from .ppo_loss import FINISH_BLOCKS, last_program, load_col, search_steps, segment_scale
+from .ppo_loss import FINISH_BLOCKS, last_program, load_col, search_steps, segment_scale, weight_scale
 
 N_PARTS = 8  # loss, tokens, clipped, sum_v, sum_r, m2_r, sum_e, m2_e  (e = returns - values)
 
@@ -92,7 +92,7 @@ def value_loss_fwd_kernel(v, old, ret, mask, cu, scale, grad, part, ticket, loss
         b_g = b_e1
     b_w = segment_scale(o_t, cu, scale, S, n_iter, PER_SEG)
     if NEED_GRAD:
-        tl.store(grad + o_t, tl.where(b_m, b_g * b_w, 0.0), mask=m_t)
+        tl.store(grad + o_t, tl.where(b_m, weight_scale(b_g, b_w), 0.0), mask=m_t)
     # tl.where, not a multiply by the mask: masked positions may hold inf/NaN
     n = tl.sum(b_m.to(tl.float32), 0)
     b_e = b_r - b_v
@@ -101,7 +101,7 @@ def value_loss_fwd_kernel(v, old, ret, mask, cu, scale, grad, part, ticket, loss
     b_dr = tl.where(b_m, b_r - sum_r / tl.maximum(n, 1.0), 0.0)
     b_de = tl.where(b_m, b_e - sum_e / tl.maximum(n, 1.0), 0.0)
     p_part = part + i_b * 8
-    tl.store(p_part + 0, tl.sum(tl.where(b_m, b_l * b_w, 0.0), 0))
+    tl.store(p_part + 0, tl.sum(tl.where(b_m, weight_scale(b_l, b_w), 0.0), 0))
     tl.store(p_part + 1, n)
     tl.store(p_part + 2, tl.sum((b_m & b_clip).to(tl.float32), 0))
     tl.store(p_part + 3, tl.sum(tl.where(b_m, b_v, 0.0), 0))

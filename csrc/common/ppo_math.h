@@ -142,6 +142,11 @@ CRF_HDI float tis_scale(float l, float w) {
   return l == 0.0f ? lwcap : lw;
 }
 
+// l * w for a token's reduction weight w: 0 when w = 0 even if l overflowed float32 (a denominator of 0;
+// the float64 reference gives 0 there), NaN kept.
+CRF_HDI float weight_scale(float l, float w) { return w == 0.0f && l == l ? 0.0f : l * w; }
+CRF_HDI double weight_scale(double l, double w) { return w == 0.0 && l == l ? 0.0 : l * w; }
+
 // max(a, b) that returns NaN when either is NaN (torch.max semantics; a plain a > b ? a : b drops it).
 CRF_HDI float nan_max(float a, float b) { return (a > b) | (a != a) ? a : b; }
 

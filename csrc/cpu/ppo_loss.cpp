@@ -60,7 +60,7 @@ CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w
       l = crf::tis_scale(l, wc);
       g = crf::tis_scale(g, wc);
     }
-    const float gw = g * wf, k = crf::kl_term(x, o.ratio);
+    const float gw = crf::weight_scale(g, wf), k = crf::kl_term(x, o.ratio);
     if (GRAD) grad[i] = m ? gw : 0.0f;
     buf[L][i] = m ? l : 0.0f;
     buf[K][i] = m ? k : 0.0f;
@@ -70,7 +70,7 @@ CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w
     buf[X][i] = m ? x : 0.0f;
     buf[R][i] = m ? o.ratio : 0.0f;
   }
-  p[kLoss] += w * crf::lane_sum(buf[L], n);
+  p[kLoss] += crf::weight_scale(crf::lane_sum(buf[L], n), w);
   const double kl = crf::lane_sum(buf[K], n);
   p[kKl] += kl;
   p[kTokens] += crf::lane_sum(buf[N], n);

@@ -67,7 +67,7 @@ CRF_INLINE void value_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double
     const bool m = mi != 0;
     const float v = vp[i], r = rp[i], e = r - v;
     const crf::ValueToken o = crf::value_token(v, CLIP ? op[i] : v, r, eps, CLIP);
-    const float gw = o.dv * wf;
+    const float gw = crf::weight_scale(o.dv, wf);
     if (GRAD) grad[i] = m ? gw : 0.0f;
     buf[L][i] = m ? o.loss : 0.0f;
     buf[V][i] = m ? v : 0.0f;
@@ -90,7 +90,7 @@ CRF_INLINE void value_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double
     m2[k] = crf::lane_sum(buf[Q], n);
   }
   const double n0 = p[kTokens];
-  p[kLoss] += w * crf::lane_sum(buf[L], n);
+  p[kLoss] += crf::weight_scale(crf::lane_sum(buf[L], n), w);
   p[kClipped] += crf::lane_sum(buf[C], n);
   p[kSumV] += crf::lane_sum(buf[V], n);
   merge_moments(n0, p[kSumR], p[kM2R], nb, crf::lane_sum(buf[R], n), m2[0]);

@@ -78,8 +78,8 @@ __global__ void __launch_bounds__(kThreads) ppo_loss_block_kernel(Params p) {
     // the offsets only steer a binary search over cu[0..S]: any values (even bad ones, unchecked on CUDA)
     // give an index in [0, S), so bad offsets give wrong weights, never an out-of-bounds read
     const float w = (float)(cu == nullptr ? p.scale[0] : p.scale[upper_index(cu, p.S, t)]);
-    if (p.grad != nullptr) p.grad[t] = m ? g * w : 0.f;
-    loss += m ? l * w : 0.f;
+    if (p.grad != nullptr) p.grad[t] = m ? weight_scale(g, w) : 0.f;
+    loss += m ? weight_scale(l, w) : 0.f;
     n += m;
     nc += m ? o.clipped : 0.f;
     nd += m ? o.dual : 0.f;

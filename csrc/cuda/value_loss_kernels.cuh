@@ -82,8 +82,8 @@ __global__ void __launch_bounds__(kThreads) value_loss_block_kernel(Params p) {
     // bad offsets (unchecked on CUDA) only steer the binary search: the index stays in [0, S)
     const float w = (float)(cu == nullptr ? p.scale[0] : p.scale[upper_index(cu, p.S, t)]);
     const bool m = m_tok[i];
-    if (p.grad != nullptr) p.grad[t] = m ? o.dv * w : 0.f;
-    loss += m ? o.loss * w : 0.f;
+    if (p.grad != nullptr) p.grad[t] = m ? weight_scale(o.dv, w) : 0.f;
+    loss += m ? weight_scale(o.loss, w) : 0.f;
     n += m;
     nc += m ? o.clipped : 0.f;
     sv += m ? v : 0.f;

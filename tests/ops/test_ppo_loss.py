@@ -567,3 +567,46 @@ def test_clip_boundary_tie_takes_the_unclipped_gradient(backend):
                                   clip_low=0.0, clip_high=0.0, backend=backend)
     loss.backward()
     assert lp.grad.tolist() == [-0.5, -1.0]
+
+
+# ---------------------------------------------------------------- a zero denominator
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_denominator_is_zero_where_float32_overflows(backend):
+    """denominator=0 weights every token 0: loss and gradient are 0, also on a token whose float32 loss
+    overflows (log-ratio 600 with A < 0: ratio = inf in float32, finite in the float64 reference, so
+    0 * inf must not turn into NaN); a NaN input still gives a NaN loss, as in the reference."""
+    _check_zero_denominator(backend)
+
+
+@pytest.mark.skipif("cpp" not in BACKENDS, reason="the cpp backend defines the op schema")
+def test_zero_denominator_cuda_kernels_on_host(monkeypatch, cuda_host_lib):
+    lib, threads = cuda_host_lib
+    if threads > 32:
+        pytest.skip("one block shape is enough here")
+    host.route_cpp_to_cuda_host(monkeypatch, lib)
+    _check_zero_denominator("cpp")
+
+
+def _check_zero_denominator(backend):
+    T = 6
+    old = torch.full((T,), -2.0)
+    lp = old.clone()
+    lp[2] = old[2] + 600.0
+    adv = torch.tensor([0.5, -1.0, -1.0, 2.0, 0.3, -0.2])
+    mask = torch.ones(T, dtype=torch.bool)
+    cu, cs = torch.tensor([0, 4, 6]), torch.tensor([0, 2])
+    for den in (0.0, torch.tensor(0.0)):
+        for kw in ({}, dict(cu_seqlens=cu, cu_segments=cs, reduction="segment-mean")):
+            want, _ = ref.ppo_policy_loss(lp.double(), old, adv, mask, denominator=den, dual_clip=None, **kw)
+            assert want.item() == 0.0  # the float64 reference: exp(600) is finite there
+            x = lp.clone().requires_grad_()
+            loss, _ = crf.ppo_policy_loss(x, old, adv, mask, denominator=den, dual_clip=None, backend=backend, **kw)
+            loss.backward()
+            assert loss.item() == 0.0, (backend, den, kw, loss.item())
+            assert torch.equal(x.grad, torch.zeros(T)), (backend, den, kw, x.grad)
+    lp[4] = float("nan")
+    loss, _ = crf.ppo_policy_loss(lp, old, adv, mask, denominator=0.0, backend=backend)
+    assert ref.ppo_policy_loss(lp.double(), old, adv, mask, denominator=0.0)[0].isnan()
+    assert loss.isnan(), backend

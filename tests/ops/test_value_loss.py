@@ -284,3 +284,41 @@ def test_clip_tie_takes_the_unclipped_gradient(backend):
                              torch.ones(2, dtype=torch.bool), clip=0.0, reduction="sum", backend=backend)
     loss.backward()
     assert v.grad.tolist() == [0.4375, 1.0]
+
+
+# ---------------------------------------------------------------- a zero denominator
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_denominator_is_zero_where_float32_overflows(backend):
+    """denominator=0 weights every token 0: loss and gradient are 0, also on a token whose float32 squared
+    error overflows (|v - R| = 1e20: inf in float32, finite in the float64 reference); a NaN input still gives
+    a NaN loss, as in the reference."""
+    _check_zero_denominator(backend)
+
+
+@pytest.mark.skipif("cpp" not in BACKENDS, reason="the cpp backend defines the op schema")
+def test_zero_denominator_cuda_kernels_on_host(monkeypatch, cuda_host_lib):
+    lib, threads = cuda_host_lib
+    if threads > 32:
+        pytest.skip("one block shape is enough here")
+    host.route_cpp_to_cuda_host(monkeypatch, lib)
+    _check_zero_denominator("cpp")
+
+
+def _check_zero_denominator(backend):
+    v = torch.tensor([0.1, 0.2, 1e20, -0.3, 0.4])
+    ret = torch.tensor([0.0, 1.0, 0.0, 0.5, 0.2])
+    mask = torch.ones(5, dtype=torch.bool)
+    for den in (0.0, torch.tensor(0.0)):
+        want, _ = ref.value_loss(v.double(), v, ret, mask, denominator=den)
+        assert want.item() == 0.0
+        x = v.clone().requires_grad_()
+        loss, _ = crf.value_loss(x, v, ret, mask, denominator=den, backend=backend)
+        loss.backward()
+        assert loss.item() == 0.0, (backend, den, loss.item())
+        assert torch.equal(x.grad, torch.zeros(5)), (backend, den, x.grad)
+    v[1] = float("nan")
+    loss, _ = crf.value_loss(v, v, ret, mask, denominator=0.0, backend=backend)
+    assert ref.value_loss(v.double(), v, ret, mask, denominator=0.0)[0].isnan()
+    assert loss.isnan(), backend

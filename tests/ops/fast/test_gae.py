@@ -344,10 +344,3 @@ def test_fake_impl_is_registered_for_the_cpp_ops(monkeypatch):
     assert seen == [("compactionrl_fast::segment_gae", ops_gae._gae_fake),
                     ("compactionrl_fast::segment_gae_serial", ops_gae._gae_fake)]
 
-
-def test_compiles_without_graph_break():
-    b = _batch()
-    fn = torch.compile(lambda r, v, m, cu, seg: crf.segment_gae(r, v, m, cu, seg, gamma=0.9, lam=0.9, backend="cpp"),
-                       backend="eager", fullgraph=True)
-    for g, w in zip(fn(*_args(b)), ref.segment_gae(*_args(b), gamma=0.9, lam=0.9)):
-        _close(g, w)

@@ -99,6 +99,27 @@ def test_dtypes_strides_and_grad_inputs(backend, seg_dtype):
         assert not g.requires_grad
 
 
+def test_default_backend_is_cpp_on_cpu():
+    b = _batch()
+    with CountOps() as ops:
+        got = crf.segment_gae(*_args(b), gamma=0.9, lam=0.9)
+    assert ops.ops[OP["cpp"]] == 1, ops.ops
+    for g, w in zip(got, ref.segment_gae(*_args(b), gamma=0.9, lam=0.9)):
+        _close(g, w)
+
+
+def test_triton_backend_runs_the_triton_op():
+    # routing only (a 7-token batch under the interpreter); the kernels: tests/ops/test_gae.py
+    pytest.importorskip("triton")
+    m = torch.tensor([True, True, False, True, True, False, True])
+    r, v, cu = torch.arange(7.0), torch.ones(7), torch.tensor([0, 3, 7])
+    with CountOps() as ops:
+        got = crf.segment_gae(r, v, m, cu, gamma=0.9, lam=0.8, backend="triton")
+    assert ops.ops["compactionrl_fast.segment_gae_triton.default"] == 1, ops.ops
+    for g, w in zip(got, ref.segment_gae(r, v, m, cu, gamma=0.9, lam=0.8)):
+        _close(g, w)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_batch(backend):
     e = torch.zeros(0)
@@ -133,13 +154,16 @@ def test_seg_start_matches_logical_order(backend, name):
     S = b["cu_seqlens"].numel() - 1
     order = list(range(S))[::-1]
     phys, seg_start, idx = _placed(b, order)
-    kw = dict(gamma=0.9, lam="adaptive", cross_segment="paper", adaptive_length="segment", lam_critic=0.7)
+    kw = dict(gamma=0.9, lam="adaptive", cross_segment="paper", adaptive_length="segment", lam_critic=0.7,
+              adaptive_alpha=2.5)
     want = ref.segment_gae(*_args(b), **kw)
     with CountOps() as ops:
         got = crf.segment_gae(phys["rewards"], phys["values"], phys["loss_mask"], b["cu_seqlens"], b["cu_segments"],
                               seg_start=seg_start, backend=backend, **kw)
     if OP[backend]:
         assert ops.ops[OP[backend]] == 1, ops.ops
+    else:
+        assert not any(k.startswith("compactionrl_fast.") for k in ops.ops), ops.ops
     for g, w in zip(got, want):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g[idx].double(), w, rtol=1e-5, atol=1e-5)
@@ -166,7 +190,8 @@ def test_placed_index():
 @pytest.mark.parametrize("starts, lens, match", [
     ([-1, 2], [2, 2], r"seg_start\[0\]=-1 puts segment 0 \(2 tokens\) outside \[0, T=4\)"),
     ([0, 3], [2, 2], r"seg_start\[1\]=3 puts segment 1 \(2 tokens\) outside \[0, T=4\)"),
-    ([0, 1], [2, 2], "cover \\[0, T\\) without gaps or overlaps"),
+    ([2, 3], [2, 2], r"^seg_start\[1\]=3 puts segment 1 \(2 tokens\) outside \[0, T=4\)$"),
+    ([0, 1], [2, 2], "^seg_start must place the segments so that they cover \\[0, T\\) without gaps or overlaps$"),
     ([2, 2], [2, 2], "without gaps or overlaps"),
     ([1, 1], [2, 2], "without gaps or overlaps"),
     ([0, 0], [2, 2], "without gaps or overlaps"),
@@ -204,9 +229,10 @@ def test_seg_start_empty_segments_anywhere_in_range():
 
 
 @pytest.mark.parametrize("kw, err, match", [
-    (dict(seg_start=torch.tensor([0.0, 2.0])), TypeError, "seg_start"),
-    (dict(seg_start=torch.tensor([0])), ValueError, "seg_start"),
-    (dict(seg_start=torch.tensor([[0, 2]])), ValueError, "seg_start"),
+    (dict(seg_start=torch.tensor([0.0, 2.0])), TypeError, "^seg_start must have dtype"),
+    (dict(seg_start=torch.tensor([0, 2], dtype=torch.int32)), TypeError, "^seg_start must have dtype"),
+    (dict(seg_start=torch.tensor([0])), ValueError, "^seg_start must have 2 elements"),
+    (dict(seg_start=torch.tensor([[0, 2]])), ValueError, "^seg_start must be 1-D"),
 ])
 def test_seg_start_type_and_shape(kw, err, match):
     z = torch.zeros(4)
@@ -239,31 +265,48 @@ def _call(**over):
     return crf.segment_gae(**kw)
 
 
+META = torch.device("meta")
+
+
 @pytest.mark.parametrize("over, err, match", [
-    (dict(loss_mask=torch.ones(4)), TypeError, "loss_mask"),
-    (dict(rewards=torch.zeros(3)), ValueError, "rewards has 3 elements but loss_mask has 4"),
-    (dict(values=torch.zeros(5)), ValueError, "values has 5 elements but loss_mask has 4"),
-    (dict(rewards=torch.zeros(4, dtype=torch.int64)), TypeError, "rewards"),
-    (dict(values=torch.zeros(2, 2)), ValueError, "values"),
-    (dict(cu_seqlens=torch.tensor([0.0, 4.0])), TypeError, "cu_seqlens"),
-    (dict(cu_seqlens=torch.tensor([[0, 4]])), ValueError, "cu_seqlens"),
-    (dict(cu_seqlens=torch.tensor([0, 3])), ValueError, "cu_seqlens"),
-    (dict(cu_segments=torch.tensor([0, 3])), ValueError, "cu_segments"),
-    (dict(gamma=1.5), ValueError, "gamma"),
-    (dict(gamma="x"), TypeError, "gamma"),
-    (dict(cross_segment="both"), ValueError, "cross_segment"),
-    (dict(adaptive_length="token"), ValueError, "adaptive_length"),
-    (dict(adaptive_alpha=0.0), ValueError, "adaptive_alpha must be > 0, got 0.0"),
-    (dict(adaptive_alpha=-1.0), ValueError, "adaptive_alpha"),
-    (dict(lam="fixed"), ValueError, "lam must be a float, a per-segment tensor or 'adaptive', got 'fixed'"),
-    (dict(lam=1.5), ValueError, "lam"),
-    (dict(lam=torch.tensor([0.5])), ValueError, "lam"),
-    (dict(lam=torch.tensor([1, 1])), TypeError, "lam"),
-    (dict(lam=torch.tensor([0.5, 1.5])), ValueError, r"lam \(per-segment tensor\) must hold values in \[0, 1\]"),
-    (dict(lam=torch.tensor([-0.5, 0.5])), ValueError, r"lam \(per-segment tensor\)"),
-    (dict(lam=torch.tensor([float("nan"), 0.5])), ValueError, r"lam \(per-segment tensor\)"),
-    (dict(lam_critic=2.0), ValueError, "lam_critic"),
+    (dict(loss_mask=torch.ones(4)), TypeError, "^loss_mask must have dtype"),
+    (dict(loss_mask=torch.ones(2, 2, dtype=torch.bool)), ValueError, "^loss_mask must be 1-D"),
+    (dict(rewards=torch.zeros(3)), ValueError, "^rewards has 3 elements but loss_mask has 4"),
+    (dict(values=torch.zeros(5)), ValueError, "^values has 5 elements but loss_mask has 4: rewards, values and "
+                                              r"loss_mask must all be \[T\]"),
+    (dict(values=None), TypeError, "^values must be a torch.Tensor"),
+    (dict(rewards=torch.zeros(4, dtype=torch.int64)), TypeError, "^rewards must have dtype"),
+    (dict(values=torch.zeros(2, 2)), ValueError, "^values must be 1-D"),
+    (dict(rewards=torch.zeros(4, device=META)), ValueError, "^rewards is on meta"),
+    (dict(values=torch.zeros(4, device=META)), ValueError, "^values is on meta"),
+    (dict(cu_seqlens=torch.tensor([0.0, 4.0])), TypeError, "^cu_seqlens must have dtype"),
+    (dict(cu_seqlens=torch.tensor([[0, 4]])), ValueError, "^cu_seqlens must be 1-D"),
+    (dict(cu_seqlens=torch.tensor([0, 4], device=META)), ValueError, "^cu_seqlens is on meta"),
+    (dict(cu_seqlens=torch.tensor([0, 3])), ValueError, r"^cu_seqlens\[-1\] must equal"),
+    (dict(cu_segments=torch.tensor([0, 3])), ValueError, r"^cu_segments\[-1\] must equal"),
+    (dict(gamma=1.5), ValueError, r"^gamma must be in \[0.0, 1.0\]"),
+    (dict(gamma=-0.5), ValueError, r"^gamma must be in \[0.0, 1.0\]"),
+    (dict(gamma="x"), TypeError, "^gamma must be a float"),
+    (dict(cross_segment="both"), ValueError, "^cross_segment must be one of"),
+    (dict(adaptive_length="token"), ValueError, "^adaptive_length must be one of"),
+    (dict(adaptive_alpha=0.0), ValueError, "^adaptive_alpha must be > 0, got 0.0"),
+    (dict(adaptive_alpha=-1.0), ValueError, r"^adaptive_alpha must be in \[0.0, inf\]"),
+    (dict(lam="fixed"), ValueError, "^lam must be a float, a per-segment tensor or 'adaptive', got 'fixed'"),
+    (dict(lam=1.5), ValueError, r"^lam must be in \[0.0, 1.0\]"),
+    (dict(lam=-0.1), ValueError, r"^lam must be in \[0.0, 1.0\]"),
+    (dict(lam=torch.tensor([0.5])), ValueError, "^lam must have 2 elements"),
+    (dict(lam=torch.tensor([0.5, 0.5, 0.5])), ValueError, "^lam must have 2 elements"),
+    (dict(lam=torch.tensor([[0.5, 0.5]])), ValueError, "^lam must be 1-D"),
+    (dict(lam=torch.tensor([0.5, 0.5], device=META)), ValueError, "^lam is on meta"),
+    (dict(lam=torch.tensor([1, 1])), TypeError, "^lam must have dtype"),
+    (dict(lam=torch.tensor([0.5, 1.5])), ValueError, r"^lam \(per-segment tensor\) must hold values in \[0, 1\]$"),
+    (dict(lam=torch.tensor([-0.5, 0.5])), ValueError, r"^lam \(per-segment tensor\)"),
+    (dict(lam=torch.tensor([float("nan"), 0.5])), ValueError, r"^lam \(per-segment tensor\)"),
+    (dict(lam_critic=2.0), ValueError, r"^lam_critic must be in \[0.0, 1.0\]"),
+    (dict(lam_critic=-0.1), ValueError, r"^lam_critic must be in \[0.0, 1.0\]"),
+    (dict(seg_start=torch.tensor([0, 2], device=META)), ValueError, "^seg_start is on meta"),
     (dict(backend="nope"), ValueError, "backend"),
+    (dict(backend="cuda"), ValueError, "this op has no cuda backend"),
 ])
 def test_refused_naming_the_argument(over, err, match):
     with pytest.raises(err, match=match):
@@ -310,10 +353,14 @@ def test_place_final_rewards_detaches():
 
 
 @pytest.mark.parametrize("args, err, match", [
-    ((torch.zeros(1), torch.ones(2), torch.tensor([0, 2])), TypeError, "loss_mask"),
+    ((torch.zeros(1), torch.ones(2), torch.tensor([0, 2])), TypeError, "^loss_mask must have dtype"),
+    ((torch.zeros(1), torch.ones(1, 2, dtype=torch.bool), torch.tensor([0, 2])), ValueError, "^loss_mask must be 1-D"),
     ((torch.zeros(1, dtype=torch.int64), torch.ones(2, dtype=torch.bool), torch.tensor([0, 2])), TypeError,
-     "rollout_rewards"),
-    ((torch.zeros(1, 1), torch.ones(2, dtype=torch.bool), torch.tensor([0, 2])), ValueError, "rollout_rewards"),
+     "^rollout_rewards must have dtype"),
+    ((torch.zeros(1, 1), torch.ones(2, dtype=torch.bool), torch.tensor([0, 2])), ValueError,
+     "^rollout_rewards must be 1-D"),
+    ((torch.zeros(1, device="meta"), torch.ones(2, dtype=torch.bool), torch.tensor([0, 2])), ValueError,
+     "^rollout_rewards is on meta"),
     ((torch.zeros(2), torch.ones(2, dtype=torch.bool), torch.tensor([0, 2])), ValueError,
      r"rollout_rewards must have one reward per rollout \(R=1\), got shape \(2,\)"),
     ((torch.zeros(1), torch.ones(2, dtype=torch.bool), torch.tensor([0, 3])), ValueError, "cu_seqlens"),
@@ -324,7 +371,7 @@ def test_place_final_rewards_refused(args, err, match):
 
 
 def test_place_final_rewards_mode_refused():
-    with pytest.raises(ValueError, match="mode"):
+    with pytest.raises(ValueError, match="^mode must be one of"):
         crf.place_final_rewards(torch.zeros(1), torch.ones(2, dtype=torch.bool), torch.tensor([0, 2]), mode="last")
 
 

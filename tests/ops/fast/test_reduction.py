@@ -177,13 +177,13 @@ def test_global_token_count_local():
 
 def test_global_denominator_refusals():
     mask = torch.ones(3, dtype=torch.bool)
-    with pytest.raises(ValueError, match="reduction"):
+    with pytest.raises(ValueError, match="^reduction"):
         crf.global_denominator("sum", mask)
-    with pytest.raises(TypeError, match="loss_mask"):
+    with pytest.raises(TypeError, match="^loss_mask"):
         crf.global_denominator("token-mean", torch.ones(3))
-    with pytest.raises(ValueError, match="loss_mask is on the meta device"):
+    with pytest.raises(ValueError, match="^loss_mask is on the meta device"):
         crf.global_denominator("token-mean", mask.to("meta"))
-    with pytest.raises(ValueError, match="cu_seqlens"):
+    with pytest.raises(ValueError, match="^cu_seqlens"):
         crf.global_denominator("segment-mean", mask, cu_seqlens=torch.tensor([0, 2]))
     t = crf.global_denominator("token-mean", mask.to("meta"), as_tensor=True)
     assert t.device.type == "meta" and t.shape == ()
@@ -201,14 +201,14 @@ def test_check_layout_accepts():
 
 
 @pytest.mark.parametrize("cu, seg, err, match", [
-    (None, torch.tensor([0, 1]), ValueError, "cu_segments needs cu_seqlens"),
-    (torch.tensor([0.0, 4.0]), None, TypeError, "cu_seqlens"),
-    (torch.tensor([0, 3]), None, ValueError, r"cu_seqlens\[-1\] must equal T=4, got 3"),
-    (torch.tensor([], dtype=torch.int64), None, ValueError, "cu_seqlens must have at least one element"),
-    (torch.tensor([0, 4]), torch.tensor([0.0, 1.0]), TypeError, "cu_segments"),
-    (torch.tensor([0, 4]), torch.tensor([0, 2]), ValueError, r"cu_segments\[-1\] must equal S \(number of "
+    (None, torch.tensor([0, 1]), ValueError, "^cu_segments needs cu_seqlens"),
+    (torch.tensor([0.0, 4.0]), None, TypeError, "^cu_seqlens"),
+    (torch.tensor([0, 3]), None, ValueError, r"^cu_seqlens\[-1\] must equal T=4, got 3"),
+    (torch.tensor([], dtype=torch.int64), None, ValueError, "^cu_seqlens must have at least one element"),
+    (torch.tensor([0, 4]), torch.tensor([0.0, 1.0]), TypeError, "^cu_segments"),
+    (torch.tensor([0, 4]), torch.tensor([0, 2]), ValueError, r"^cu_segments\[-1\] must equal S \(number of "
                                                               r"segments\)=1, got 2"),
-    (torch.tensor([0, 4]), torch.tensor([[0, 1]]), ValueError, "cu_segments"),
+    (torch.tensor([0, 4]), torch.tensor([[0, 1]]), ValueError, "^cu_segments"),
 ])
 def test_check_layout_refuses(cu, seg, err, match):
     with pytest.raises(err, match=match):
@@ -220,13 +220,13 @@ def test_check_layout_on_the_meta_device():
     mask = torch.ones(4, dtype=torch.bool, device="meta")
     cu = torch.tensor([0, 9], device="meta")
     assert red.check_layout(mask, cu, torch.tensor([0, 5], dtype=torch.int32, device="meta")).dtype == torch.int64
-    with pytest.raises(ValueError, match=r"cu_seqlens must have at least one element \(offsets \[S\+1\]\)"):
+    with pytest.raises(ValueError, match=r"^cu_seqlens must have at least one element \(offsets \[S\+1\]\)"):
         red.check_layout(mask, torch.zeros(0, dtype=torch.int64, device="meta"), None)
-    with pytest.raises(ValueError, match=r"cu_segments must have at least one element \(offsets \[R\+1\]\)"):
+    with pytest.raises(ValueError, match=r"^cu_segments must have at least one element \(offsets \[R\+1\]\)"):
         red.check_layout(mask, cu, torch.zeros(0, dtype=torch.int64, device="meta"))
-    with pytest.raises(ValueError, match="cu_seqlens is on cpu"):
+    with pytest.raises(ValueError, match="^cu_seqlens is on cpu"):
         red.check_layout(mask, torch.tensor([0, 4]), None)
-    with pytest.raises(ValueError, match="cu_segments is on cpu"):
+    with pytest.raises(ValueError, match="^cu_segments is on cpu"):
         red.check_layout(mask, cu, torch.tensor([0, 1]))
 
 
@@ -244,18 +244,18 @@ def test_check_denominator_accepts():
 
 
 @pytest.mark.parametrize("den, reduction, device, err, match", [
-    (2.0, "sum", None, ValueError, "denominator has no meaning with reduction='sum'"),
-    (torch.tensor(2.0), "sum", None, ValueError, "denominator has no meaning"),
+    (2.0, "sum", None, ValueError, "^denominator has no meaning with reduction='sum'"),
+    (torch.tensor(2.0), "sum", None, ValueError, "^denominator has no meaning"),
     (torch.tensor([1.0, 2.0]), "token-mean", None, ValueError,
-     r"denominator must be a number or a one-element tensor, got shape \(2,\)"),
-    (torch.tensor(1.0), "token-mean", torch.device("meta"), ValueError, "denominator is on cpu, expected meta"),
-    (torch.tensor(True), "token-mean", None, TypeError, "denominator must be a real number tensor, got torch.bool"),
-    (torch.tensor(1 + 1j), "token-mean", None, TypeError, "denominator must be a real number tensor"),
-    (torch.tensor(-1.0), "token-mean", None, ValueError, r"denominator must be a finite number >= 0, got -1.0"),
-    (torch.tensor(float("nan")), "segment-mean", None, ValueError, "denominator must be a finite number >= 0"),
-    (torch.tensor(float("inf")), "segment-mean", None, ValueError, "denominator must be a finite number >= 0"),
-    (-1.0, "token-mean", None, ValueError, "denominator"),
-    ("3", "token-mean", None, TypeError, "denominator"),
+     r"^denominator must be a number or a one-element tensor, got shape \(2,\)"),
+    (torch.tensor(1.0), "token-mean", torch.device("meta"), ValueError, "^denominator is on cpu, expected meta"),
+    (torch.tensor(True), "token-mean", None, TypeError, "^denominator must be a real number tensor, got torch.bool"),
+    (torch.tensor(1 + 1j), "token-mean", None, TypeError, "^denominator must be a real number tensor"),
+    (torch.tensor(-1.0), "token-mean", None, ValueError, r"^denominator must be a finite number >= 0, got -1.0"),
+    (torch.tensor(float("nan")), "segment-mean", None, ValueError, "^denominator must be a finite number >= 0"),
+    (torch.tensor(float("inf")), "segment-mean", None, ValueError, "^denominator must be a finite number >= 0"),
+    (-1.0, "token-mean", None, ValueError, "^denominator"),
+    ("3", "token-mean", None, TypeError, "^denominator"),
 ])
 def test_check_denominator_refuses(den, reduction, device, err, match):
     with pytest.raises(err, match=match):
@@ -276,7 +276,7 @@ def test_resolve_backend():
     assert red.resolve_backend("torch", cpu) == "torch"
     assert red.resolve_backend("auto", cpu, op="segment_gae") == "cpp"
     assert red.resolve_backend("auto", cpu, ("torch",)) == "torch"
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ValueError, match="^backend"):
         red.resolve_backend("cuda", cpu, op="ppo_policy_loss")
 
 
@@ -295,7 +295,7 @@ def test_loss_backward_hands_out_the_saved_gradient_once():
     out = bwd(ctx, torch.tensor(1.0), None, None)
     assert len(out) == 4 and out[0] is g and out[1:] == (None, None, None)
     assert g.tolist() == [1.0, -2.0]
-    with pytest.raises(RuntimeError, match="my::op: a second backward through the same loss is not supported"):
+    with pytest.raises(RuntimeError, match="^my::op: a second backward through the same loss is not supported"):
         bwd(ctx, torch.tensor(1.0), None, None)
 
 
@@ -342,5 +342,5 @@ def test_register_loss_op(monkeypatch):
     assert ctx.materialize is False and ctx.saved_tensors[0] is grad and len(ctx.saved_tensors) == 1
     out = backward(ctx, torch.tensor(2.0), None, None)
     assert len(out) == 3 and out[0].tolist() == [4.0]
-    with pytest.raises(RuntimeError, match="ns::loss"):
+    with pytest.raises(RuntimeError, match="^ns::loss"):
         backward(ctx, torch.tensor(2.0), None, None)

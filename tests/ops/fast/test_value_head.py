@@ -207,22 +207,22 @@ def test_value_head_loss_auto_and_refused_backends():
     with RecordOps() as rec:
         crf.value_head_loss(h, w, b, torch.zeros(10), torch.zeros(10), mask, backend="auto")
     assert rec.calls[0][0] == "compactionrl_fast.value_head_fwd.default"
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ValueError, match="^backend"):
         crf.value_head_loss(h, w, b, torch.zeros(10), torch.zeros(10), mask, backend="cuda")
 
 
 @pytest.mark.parametrize("args, err, match", [
-    ((torch.zeros(4, 3, dtype=torch.float64), torch.zeros(3)), TypeError, "hidden"),
-    ((torch.zeros(4), torch.zeros(4)), ValueError, "hidden"),
-    ((torch.zeros(4, 3), torch.zeros(3, dtype=torch.int32)), TypeError, "weight"),
-    ((torch.zeros(4, 3), torch.zeros(4)), ValueError, "weight"),
-    ((torch.zeros(4, 3), torch.zeros(2, 3)), ValueError, "weight"),
-    ((torch.zeros(4, 3), torch.zeros(3, 1)), ValueError, "weight"),
-    ((torch.zeros(4, 3), torch.zeros(3, device="meta")), ValueError, "weight"),
-    ((torch.zeros(4, 3), torch.zeros(3), torch.zeros(2)), ValueError, "bias"),
-    ((torch.zeros(4, 3), torch.zeros(3), torch.zeros(1, dtype=torch.int64)), TypeError, "bias"),
-    ((torch.zeros(4, 3), torch.zeros(3), torch.zeros(1, device="meta")), ValueError, "bias"),
-    ((torch.zeros(4, 3), torch.zeros(3), None, "fast"), ValueError, "backend"),
+    ((torch.zeros(4, 3, dtype=torch.float64), torch.zeros(3)), TypeError, "^hidden"),
+    ((torch.zeros(4), torch.zeros(4)), ValueError, "^hidden"),
+    ((torch.zeros(4, 3), torch.zeros(3, dtype=torch.int32)), TypeError, "^weight"),
+    ((torch.zeros(4, 3), torch.zeros(4)), ValueError, "^weight"),
+    ((torch.zeros(4, 3), torch.zeros(2, 3)), ValueError, "^weight"),
+    ((torch.zeros(4, 3), torch.zeros(3, 1)), ValueError, "^weight"),
+    ((torch.zeros(4, 3), torch.zeros(3, device="meta")), ValueError, "^weight"),
+    ((torch.zeros(4, 3), torch.zeros(3), torch.zeros(2)), ValueError, "^bias"),
+    ((torch.zeros(4, 3), torch.zeros(3), torch.zeros(1, dtype=torch.int64)), TypeError, "^bias"),
+    ((torch.zeros(4, 3), torch.zeros(3), torch.zeros(1, device="meta")), ValueError, "^bias"),
+    ((torch.zeros(4, 3), torch.zeros(3), None, "fast"), ValueError, "^backend"),
 ])
 def test_refused_naming_the_argument(args, err, match):
     *a, backend = args if len(args) == 4 else (*args, "auto")

@@ -148,20 +148,20 @@ def _call(**over):
 
 
 @pytest.mark.parametrize("over, err, match", [
-    (dict(loss_mask=torch.ones(4)), TypeError, "loss_mask"),
-    (dict(loss_mask=torch.ones(2, 2, dtype=torch.bool)), ValueError, "loss_mask"),
-    (dict(values=torch.zeros(3)), ValueError, "values"),
-    (dict(old_values=torch.zeros(4, dtype=torch.int32)), TypeError, "old_values"),
-    (dict(returns=torch.zeros(4, 1)), ValueError, "returns"),
-    (dict(returns=torch.zeros(4, device="meta")), ValueError, "returns"),
-    (dict(clip=-0.1), ValueError, "clip"),
-    (dict(clip="0.2"), TypeError, "clip"),
-    (dict(reduction="mean"), ValueError, "reduction"),
-    (dict(reduction="sum", denominator=2.0), ValueError, "denominator"),
-    (dict(denominator=-2.0), ValueError, "denominator"),
-    (dict(cu_seqlens=torch.tensor([0, 3])), ValueError, "cu_seqlens"),
-    (dict(cu_seqlens=torch.tensor([0, 4]), cu_segments=torch.tensor([0, 2])), ValueError, "cu_segments"),
-    (dict(backend="fast"), ValueError, "backend"),
+    (dict(loss_mask=torch.ones(4)), TypeError, "^loss_mask"),
+    (dict(loss_mask=torch.ones(2, 2, dtype=torch.bool)), ValueError, "^loss_mask"),
+    (dict(values=torch.zeros(3)), ValueError, "^values"),
+    (dict(old_values=torch.zeros(4, dtype=torch.int32)), TypeError, "^old_values"),
+    (dict(returns=torch.zeros(4, 1)), ValueError, "^returns"),
+    (dict(returns=torch.zeros(4, device="meta")), ValueError, "^returns"),
+    (dict(clip=-0.1), ValueError, "^clip"),
+    (dict(clip="0.2"), TypeError, "^clip"),
+    (dict(reduction="mean"), ValueError, "^reduction"),
+    (dict(reduction="sum", denominator=2.0), ValueError, "^denominator"),
+    (dict(denominator=-2.0), ValueError, "^denominator"),
+    (dict(cu_seqlens=torch.tensor([0, 3])), ValueError, "^cu_seqlens"),
+    (dict(cu_seqlens=torch.tensor([0, 4]), cu_segments=torch.tensor([0, 2])), ValueError, "^cu_segments"),
+    (dict(backend="fast"), ValueError, "^backend"),
 ])
 def test_refused_naming_the_argument(over, err, match):
     with pytest.raises(err, match=match):

@@ -80,6 +80,21 @@ def test_weights_for_a_batch_with_nothing_trainable_are_zero():
             assert f(mask, cu, seg, reduction).tolist() == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("reduction", ["segment-mean", "rollout-mean"])
+def test_units_with_one_trainable_token(reduction):
+    # a unit with exactly one trainable token counts in D; without offsets the batch is one unit
+    mask = torch.tensor([False, True, False, False, True, True])
+    cu, seg = torch.tensor([0, 3, 6]), torch.tensor([0, 1, 2])
+    for f in (red.segment_weights, red.segment_weights_torch):
+        torch.testing.assert_close(_per_token(f(mask, cu, seg, reduction), mask, cu),
+                                   ref.token_weights(mask, cu, seg, reduction), rtol=1e-6, atol=0)
+        one = torch.tensor([False, True, False])
+        assert f(one, None, None, reduction).tolist() == [1.0]
+    assert crf.global_denominator(reduction, mask, cu_seqlens=cu, cu_segments=seg) == 2
+    assert crf.global_denominator(reduction, torch.zeros(3, dtype=torch.bool)) == 0
+    assert crf.global_denominator(reduction, torch.tensor([False, True])) == 1
+
+
 def test_rollout_mean_with_an_empty_rollout():
     # rollout 1 has no segment: the repeat of the rollout ids must give it none
     mask = torch.tensor([True, True, False, True, True, True])
@@ -89,13 +104,18 @@ def test_rollout_mean_with_an_empty_rollout():
         torch.testing.assert_close(_per_token(f(mask, cu, seg, "rollout-mean"), mask, cu), want)
 
 
-def test_triton_backend_uses_the_triton_op():
+@pytest.mark.parametrize("reduction, den", [("segment-mean", None), ("rollout-mean", torch.tensor(3.0)),
+                                            ("token-mean", 4.0)])
+def test_triton_backend_uses_the_triton_op(reduction, den):
+    # routing only (a small batch under the interpreter); the kernels: tests/ops/test_ppo_loss.py
     pytest.importorskip("triton")
     mask, cu, seg = _batch()
     with CountOps() as ops:
-        w = red.segment_weights(mask, cu, seg, "segment-mean", None, backend="triton")
+        w = red.segment_weights(mask, cu, seg, reduction, den, backend="triton")
     assert ops.ops["compactionrl_fast.segment_weights_triton.default"] == 1, ops.ops
-    torch.testing.assert_close(_per_token(w, mask, cu), ref.token_weights(mask, cu, seg, "segment-mean"))
+    dv = None if den is None else float(den)
+    torch.testing.assert_close(_per_token(w, mask, cu), ref.token_weights(mask, cu, seg, reduction, dv), rtol=1e-6,
+                               atol=0)
 
 
 def test_weights_fake():
@@ -108,14 +128,14 @@ def test_weights_fake():
 # ---------------------------------------------------------------- counts
 
 
-@pytest.mark.parametrize("cu", [[0, 3, 3, 7, 10], [0, 2, 12], [0, 0], [0]])
+@pytest.mark.parametrize("cu", [[0, 3, 3, 7, 10], [0, 2, 12], [0, -3, 10], [0, 0], [0]])
 def test_segment_counts(monkeypatch, cu):
     # the torch path clamps out-of-range offsets to [0, T]
     mask = torch.tensor([True, False, True, True, False, True, True, True, False, True])
     cu = torch.tensor(cu)
-    c = cu.clamp(0, 10).tolist()
+    c = cu.clamp(0, 10).tolist()  # a negative offset must not wrap around
     want = [int(mask[a:b].sum()) for a, b in zip(c[:-1], c[1:])]
-    if cu[-1] == 10:  # the C++ op refuses other offsets on CPU
+    if cu[-1] == 10 and bool((cu.diff() >= 0).all()):  # the C++ op refuses other offsets on CPU
         with CountOps() as ops:
             got = red.segment_counts(mask, cu)
         assert got.dtype == torch.int64 and got.tolist() == want
@@ -128,8 +148,9 @@ def test_segment_counts(monkeypatch, cu):
 
 @pytest.mark.parametrize("reduction", REDS[:3])
 @pytest.mark.parametrize("layout", ["full", "no_segments", "no_seqlens"])
-def test_global_denominator(reduction, layout):
-    mask, cu, seg = _batch("empty_segments")
+@pytest.mark.parametrize("name", ["empty_segments", "four_segments", "no_trainable"])
+def test_global_denominator(reduction, layout, name):
+    mask, cu, seg = _batch(name)
     if layout != "full":
         seg = None
     if layout == "no_seqlens":
@@ -170,7 +191,7 @@ def test_global_counts_all_reduce_over_the_group(monkeypatch):
 
 def test_global_token_count_local():
     mask = torch.tensor([True, False, True, True])
-    assert crf.global_token_count(mask) == 3
+    assert type(crf.global_token_count(mask)) is int and crf.global_token_count(mask) == 3
     t = crf.global_token_count(mask, as_tensor=True)
     assert t.shape == () and t.dtype == torch.int64 and int(t) == 3
 
@@ -179,9 +200,12 @@ def test_global_denominator_refusals():
     mask = torch.ones(3, dtype=torch.bool)
     with pytest.raises(ValueError, match="^reduction"):
         crf.global_denominator("sum", mask)
-    with pytest.raises(TypeError, match="^loss_mask"):
+    with pytest.raises(TypeError, match="^loss_mask must have dtype"):
         crf.global_denominator("token-mean", torch.ones(3))
-    with pytest.raises(ValueError, match="^loss_mask is on the meta device"):
+    with pytest.raises(ValueError, match="^loss_mask must be 1-D"):
+        crf.global_denominator("token-mean", torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"^loss_mask is on the meta device, which holds no values: a Python int "
+                                         r"count needs real data \(pass as_tensor=True for a meta tensor\)$"):
         crf.global_denominator("token-mean", mask.to("meta"))
     with pytest.raises(ValueError, match="^cu_seqlens"):
         crf.global_denominator("segment-mean", mask, cu_seqlens=torch.tensor([0, 2]))
@@ -230,6 +254,29 @@ def test_check_layout_on_the_meta_device():
         red.check_layout(mask, cu, torch.tensor([0, 1]))
 
 
+def test_check_layout_without_value_checks(monkeypatch):
+    # COMPACTIONRL_FAST_CHECKS=0: offsets are not read, but dtype/shape/device and emptiness are still checked
+    monkeypatch.setenv("COMPACTIONRL_FAST_CHECKS", "0")
+    mask = torch.ones(4, dtype=torch.bool)
+    assert red.check_layout(mask, torch.tensor([0, 9]), torch.tensor([0, 5])).tolist() == [0, 5]
+    assert red.check_layout(torch.ones(0, dtype=torch.bool), torch.tensor([0]), torch.tensor([0])).tolist() == [0]
+    meta = torch.device("meta")
+    for cu, seg, err, match in [
+        (torch.tensor([0.0, 4.0]), None, TypeError, "^cu_seqlens must have dtype"),
+        (torch.tensor([[0, 4]]), None, ValueError, "^cu_seqlens must be 1-D"),
+        (torch.tensor([0, 4], device=meta), None, ValueError, "^cu_seqlens is on meta"),
+        (torch.tensor([0, 4]), torch.tensor([0.0, 1.0]), TypeError, "^cu_segments must have dtype"),
+        (torch.tensor([0, 4]), torch.tensor([[0, 1]]), ValueError, "^cu_segments must be 1-D"),
+        (torch.tensor([0, 4]), torch.tensor([0, 1], device=meta), ValueError, "^cu_segments is on meta"),
+        (torch.zeros(0, dtype=torch.int64), None, ValueError, r"^cu_seqlens must have at least one element \(offsets "
+                                                              r"\[S\+1\]\)$"),
+        (torch.tensor([0, 4]), torch.zeros(0, dtype=torch.int64), ValueError, r"^cu_segments must have at least one "
+                                                                              r"element \(offsets \[R\+1\]\)$"),
+    ]:
+        with pytest.raises(err, match=match):
+            red.check_layout(mask, cu, seg)
+
+
 def test_check_denominator_accepts():
     assert red.check_denominator(None, "sum") is None
     assert red.check_denominator(None, "token-mean") is None
@@ -267,6 +314,7 @@ def test_inverse_denominator():
     got = red._inverse_denominator(torch.tensor([4.0, 0.0, -1.0, float("nan")], dtype=torch.float32))
     assert got.dtype == torch.float64
     assert got[:2].tolist() == [0.25, 0.0] and got[2:].isnan().all()
+    assert red._inverse_denominator(torch.tensor(0.5)).item() == 2.0
     inv = red._inverse(torch.tensor([0, 4, 3]))
     assert inv.dtype == torch.float64 and inv.tolist() == [0.0, 0.25, 1 / 3]
 
@@ -275,6 +323,7 @@ def test_resolve_backend():
     cpu = torch.device("cpu")
     assert red.resolve_backend("torch", cpu) == "torch"
     assert red.resolve_backend("auto", cpu, op="segment_gae") == "cpp"
+    assert red.resolve_backend("auto", cpu, op="linear_logprobs") == "torch"  # the op's own order
     assert red.resolve_backend("auto", cpu, ("torch",)) == "torch"
     with pytest.raises(ValueError, match="^backend"):
         red.resolve_backend("cuda", cpu, op="ppo_policy_loss")
@@ -292,10 +341,14 @@ def test_loss_backward_hands_out_the_saved_gradient_once():
     bwd = red.loss_backward("my::op", 4)
     g = torch.tensor([1.0, -2.0])
     ctx = _Ctx(g)
-    out = bwd(ctx, torch.tensor(1.0), None, None)
+    with CountOps() as ops:  # d_loss = 1 on CPU: no pass over the buffer
+        out = bwd(ctx, torch.tensor(1.0), None, None)
+    assert "aten.mul_.Tensor" not in ops.ops, ops.ops
     assert len(out) == 4 and out[0] is g and out[1:] == (None, None, None)
     assert g.tolist() == [1.0, -2.0]
-    with pytest.raises(RuntimeError, match="^my::op: a second backward through the same loss is not supported"):
+    with pytest.raises(RuntimeError, match=r"^my::op: a second backward through the same loss is not supported \(the "
+                                           r"first backward handed out its gradient buffer\); compute the loss "
+                                           r"again, or use backend='torch'$"):
         bwd(ctx, torch.tensor(1.0), None, None)
 
 
@@ -317,8 +370,10 @@ def test_loss_backward_scales_a_tensor_subclass_gradient():
         pass
 
     g = torch.tensor([1.0, -2.0])
-    out = red.loss_backward("my::op", 1)(_Ctx(g), torch.tensor(1.0).as_subclass(Sub), None, None)
+    with CountOps() as ops:
+        out = red.loss_backward("my::op", 1)(_Ctx(g), torch.tensor(1.0).as_subclass(Sub), None, None)
     assert out[0].tolist() == [1.0, -2.0] and len(out) == 1
+    assert ops.ops["aten.mul_.Tensor"] == 1, ops.ops
 
 
 def test_register_loss_op(monkeypatch):

@@ -151,6 +151,33 @@ def test_op_arguments():
     assert rec.args("ppo_policy_loss")[5] is None
 
 
+def test_default_backend_is_cpp_on_cpu():
+    inp = _inputs()
+    with RecordOps() as rec:
+        loss, _ = crf.ppo_policy_loss(**inp)
+    assert [f for f, _ in rec.calls] == ["compactionrl_fast.segment_weights.default",
+                                         "compactionrl_fast.ppo_policy_loss.default"]
+    torch.testing.assert_close(loss.double(), ref.ppo_policy_loss(**inp)[0], rtol=1e-5, atol=1e-6)
+
+
+# the interpreter's numpy warns when the no-dual-clip sentinel -c*A (c = float32 max) overflows to inf, as intended
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
+@pytest.mark.parametrize("reduction", ["rollout-mean", "sum"])
+def test_triton_backend_runs_the_triton_ops(reduction):
+    # routing only (8 tokens under the interpreter); the kernels: tests/ops/test_ppo_loss.py
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(0)
+    lp, old, adv = (torch.randn(8, generator=g) for _ in range(3))
+    mask, cu, seg = torch.rand(8, generator=g) < 0.7, torch.tensor([0, 3, 8]), torch.tensor([0, 2])
+    with RecordOps() as rec:
+        loss, _ = crf.ppo_policy_loss(lp, old, adv, mask, cu_seqlens=cu, cu_segments=seg, reduction=reduction,
+                                      backend="triton")
+    assert [f for f, _ in rec.calls] == ["compactionrl_fast.segment_weights_triton.default",
+                                         "compactionrl_fast.ppo_policy_loss_triton.default"]
+    want = ref.ppo_policy_loss(lp, old, adv, mask, cu_seqlens=cu, cu_segments=seg, reduction=reduction)[0]
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_torch_backend_runs_no_op():
     inp = _inputs()
     with RecordOps() as rec:
@@ -176,16 +203,21 @@ def _call(**over):
     (dict(old_logprobs=torch.zeros(4, dtype=torch.int32)), TypeError, "^old_logprobs"),
     (dict(advantages=torch.zeros(4, 1)), ValueError, "^advantages"),
     (dict(advantages=torch.zeros(4, device="meta")), ValueError, "^advantages"),
-    (dict(rollout_logprobs=torch.zeros(5)), ValueError, "^rollout_logprobs"),
+    (dict(rollout_logprobs=torch.zeros(5)), ValueError, "^rollout_logprobs must have 4 elements"),
+    (dict(rollout_logprobs=torch.zeros(4, dtype=torch.int64)), TypeError, "^rollout_logprobs must have dtype"),
+    (dict(rollout_logprobs=torch.zeros(4, 1)), ValueError, "^rollout_logprobs must be 1-D"),
+    (dict(rollout_logprobs=torch.zeros(4, device="meta")), ValueError, "^rollout_logprobs is on meta"),
+    (dict(logprobs=torch.zeros(4, device="meta")), ValueError, "^logprobs is on meta"),
+    (dict(old_logprobs=torch.zeros(4, device="meta")), ValueError, "^old_logprobs is on meta"),
     (dict(clip_low=1.5), ValueError, "^clip_low"),
     (dict(clip_low=-0.1), ValueError, "^clip_low"),
     (dict(clip_high=-0.1), ValueError, "^clip_high"),
     (dict(clip_high="0.2"), TypeError, "^clip_high"),
     (dict(dual_clip=1.0), ValueError, "^dual_clip must be > 1, got 1.0"),
-    (dict(dual_clip=0.5), ValueError, "^dual_clip"),
+    (dict(dual_clip=0.5), ValueError, r"^dual_clip must be in \[1.0, inf\], got 0.5"),
     (dict(tis_cap=2.0), ValueError, r"^tis_cap needs rollout_logprobs \(the inference engine's log-probs\)"),
     (dict(tis_cap=0.0, rollout_logprobs=torch.zeros(4)), ValueError, "^tis_cap must be > 0, got 0.0"),
-    (dict(tis_cap=-1.0, rollout_logprobs=torch.zeros(4)), ValueError, "^tis_cap"),
+    (dict(tis_cap=-1.0, rollout_logprobs=torch.zeros(4)), ValueError, r"^tis_cap must be in \[0.0, inf\], got -1.0"),
     (dict(reduction="mean"), ValueError, "^reduction"),
     (dict(reduction="sum", denominator=2.0), ValueError, "^denominator"),
     (dict(denominator=-2.0), ValueError, "^denominator"),

@@ -139,6 +139,30 @@ def test_op_arguments():
     assert rec.calls == []
 
 
+def test_default_backend_is_cpp_on_cpu():
+    inp = _inputs()
+    with RecordOps() as rec:
+        loss, _ = crf.value_loss(**inp, clip=0.2)
+    assert [f for f, _ in rec.calls] == ["compactionrl_fast.segment_weights.default",
+                                         "compactionrl_fast.value_loss.default"]
+    torch.testing.assert_close(loss.double(), ref.value_loss(**inp, clip=0.2)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["rollout-mean", "sum"])
+def test_triton_backend_runs_the_triton_ops(reduction):
+    # routing only (8 tokens under the interpreter); the kernels: tests/ops/test_value_loss.py
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(0)
+    v, old, ret = (torch.randn(8, generator=g) for _ in range(3))
+    mask, cu, seg = torch.rand(8, generator=g) < 0.7, torch.tensor([0, 3, 8]), torch.tensor([0, 2])
+    kw = dict(cu_seqlens=cu, cu_segments=seg, reduction=reduction, clip=0.3)
+    with RecordOps() as rec:
+        loss, _ = crf.value_loss(v, old, ret, mask, backend="triton", **kw)
+    assert [f for f, _ in rec.calls] == ["compactionrl_fast.segment_weights_triton.default",
+                                         "compactionrl_fast.value_loss_triton.default"]
+    torch.testing.assert_close(loss.double(), ref.value_loss(v, old, ret, mask, **kw)[0], rtol=1e-5, atol=1e-6)
+
+
 def _call(**over):
     T = 4
     kw = dict(values=torch.zeros(T), old_values=torch.zeros(T), returns=torch.zeros(T),
@@ -153,7 +177,10 @@ def _call(**over):
     (dict(values=torch.zeros(3)), ValueError, "^values"),
     (dict(old_values=torch.zeros(4, dtype=torch.int32)), TypeError, "^old_values"),
     (dict(returns=torch.zeros(4, 1)), ValueError, "^returns"),
-    (dict(returns=torch.zeros(4, device="meta")), ValueError, "^returns"),
+    (dict(returns=torch.zeros(4, device="meta")), ValueError, "^returns is on meta"),
+    (dict(values=torch.zeros(4, device="meta")), ValueError, "^values is on meta"),
+    (dict(old_values=torch.zeros(4, device="meta")), ValueError, "^old_values is on meta"),
+    (dict(old_values=torch.zeros(5)), ValueError, "^old_values must have 4 elements"),
     (dict(clip=-0.1), ValueError, "^clip"),
     (dict(clip="0.2"), TypeError, "^clip"),
     (dict(reduction="mean"), ValueError, "^reduction"),

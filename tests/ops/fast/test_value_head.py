@@ -11,6 +11,7 @@ import torch
 import compactionrl_fast as crf
 from compactionrl_fast.reference import losses as ref
 from tests.ops.fast._record import RecordOps
+from tests.utils import CountOps
 
 vh = importlib.import_module("compactionrl_fast.ops.value_head")  # the package exports the function
 BACKENDS = ("cpp", "torch")
@@ -18,7 +19,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-@pytest.fixture(params=["one_chunk", "chunks"])
+@pytest.fixture(params=["chunks", "one_chunk"])
 def chunks(request, monkeypatch):
     """The torch path in one row chunk, or in chunks of 3 rows (T = 10: the last one short)."""
     if request.param == "chunks":
@@ -37,6 +38,45 @@ def _data(dtype, T=10, H=8, seed=0, wdtype=None, bias=True):
 def _grads(out, inputs, g):
     need = [x for x in inputs if x is not None and x.requires_grad]
     return torch.autograd.grad(out, need, g)
+
+
+def _mvs(count):
+    return count.ops["aten.mv.default"] + count.ops["aten.mv.out"]
+
+
+def test_torch_path_row_chunks(monkeypatch):
+    # first in the file: a wrong chunk loop fails here before the one-chunk cases (a loop over T rows one by
+    # one with a 4M-element chunk would run for minutes). bf16: one gemv per 3-row chunk; float32 on CPU: one
+    # gemv for the values and one for d_weight, the chunks only to redo d_weight without non-finite masked rows
+    monkeypatch.setattr(vh, "CHUNK_ELEMS", 3 * 8)
+    for dtype, mvs in ((torch.bfloat16, (4, 4)), (torch.float32, (1, 1))):
+        h, w, b = _data(dtype)
+        w.requires_grad_()
+        with CountOps() as fwd:
+            out = crf.value_head(h, w, b, backend="torch")
+        g = torch.linspace(-1, 2, 10)
+        with CountOps() as bwd:
+            (gw,) = torch.autograd.grad(out, w, g)
+        assert (_mvs(fwd), _mvs(bwd)) == mvs, (fwd.ops, bwd.ops)
+        want = ref.value_head(h, w, b)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gw.double(), h.double().T @ g.double(), rtol=TOL[dtype], atol=TOL[dtype])
+    h[4, 2] = float("nan")
+    g[4] = 0.0
+    out = crf.value_head(h, w, b, backend="torch")
+    with CountOps() as bwd:
+        (gw,) = torch.autograd.grad(out, w, g)
+    assert _mvs(bwd) == 1 + 4, bwd.ops  # the gemv, then 4 masked chunks
+    torch.testing.assert_close(gw.double(), h.double().nan_to_num(0.0).T @ g.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_backward_off_cpu_float32():
+    # float32 off CPU masks rows chunk by chunk (no gemv to redo): shapes and dtypes on the meta device
+    h, w, g = torch.empty(10, 8, device="meta"), torch.empty(8, device="meta"), torch.empty(10, device="meta")
+    dh, dw = vh._torch_bwd(h, w, g, True, True)
+    assert dh.shape == (10, 8) and dw.shape == (8,) and dh.dtype == dw.dtype == torch.float32
+    dh, dw = vh._torch_bwd(h, w, g, True, False)
+    assert dh.shape == (10, 8) and dw is None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -175,8 +215,9 @@ def test_cpp_op_arguments():
 
 
 @pytest.mark.parametrize("backend", ["cpp", "torch", "auto"])
-def test_value_head_loss(backend):
-    h, w, b = _data(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_value_head_loss(backend, dtype):
+    h, w, b = _data(dtype)
     for x in (h, w, b):
         x.requires_grad_()
     old, ret = torch.randn(10), torch.randn(10)
@@ -187,9 +228,11 @@ def test_value_head_loss(backend):
     with RecordOps() as rec:
         loss, m = crf.value_head_loss(h, w, b, old, ret, mask, **kw)
     names = [f for f, _ in rec.calls]
-    assert names == ([] if backend == "torch" else
-                     ["compactionrl_fast.value_head_fwd.default", "compactionrl_fast.segment_weights.default",
-                      "compactionrl_fast.value_loss.default"])
+    head = [] if backend == "torch" or (backend == "auto" and dtype == torch.float32) else \
+        ["compactionrl_fast.value_head_fwd.default"]  # "auto" on CPU: BLAS for float32, C++ for bf16
+    loss_ops = [] if backend == "torch" else ["compactionrl_fast.segment_weights.default",
+                                              "compactionrl_fast.value_loss.default"]
+    assert names == head + loss_ops
     want, m_r = ref.value_loss(ref.value_head(h, w, b), old, ret, mask, **{k: v for k, v in kw.items()
                                                                           if k != "backend"})
     torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
@@ -198,6 +241,29 @@ def test_value_head_loss(backend):
     exp = torch.autograd.grad(want, (h, w, b))
     for gx, ex in zip(got, exp):
         torch.testing.assert_close(gx.double(), ex.double(), rtol=2e-2, atol=2e-2)
+
+
+def test_triton_backend_runs_the_triton_ops():
+    # routing only (float32 under the interpreter); the kernels: tests/ops/test_value_head.py
+    pytest.importorskip("triton")
+    h, w, b = _data(torch.float32)
+    for needs in ("hwb", "w", "h"):
+        for x, k in ((h, "h"), (w, "w"), (b, "b")):
+            x.requires_grad_(k in needs)
+        with RecordOps() as rec:
+            out = crf.value_head(h, w, b, backend="triton")
+            g = torch.linspace(-1, 1, 10)
+            got = _grads(out, (h, w, b), g)
+        assert [f for f, _ in rec.calls] == ["compactionrl_fast.value_head_fwd_triton.default",
+                                             "compactionrl_fast.value_head_bwd_triton.default"]
+        want = ref.value_head(h, w, b)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        for gx, ex in zip(got, _grads(want, (h, w, b), g.double())):
+            torch.testing.assert_close(gx.double(), ex.double(), rtol=1e-5, atol=1e-5)
+    with RecordOps() as rec:
+        crf.value_head_loss(h, w, b, torch.zeros(10), torch.zeros(10), torch.ones(10, dtype=torch.bool),
+                            backend="triton")
+    assert [f for f, _ in rec.calls][0] == "compactionrl_fast.value_head_fwd_triton.default"
 
 
 def test_value_head_loss_auto_and_refused_backends():

@@ -10,11 +10,41 @@ import pytest
 import torch
 
 import compactionrl_fast as crf
+from tests.utils import CountOps
 
 ll = importlib.import_module("compactionrl_fast.ops.linear_logprobs")  # the packages export the functions
 ref = importlib.import_module("compactionrl_fast.reference.linear_logprobs")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOL = {torch.float32: 2e-5, torch.bfloat16: 6e-2, torch.float16: 8e-3}
+# a chunk buffer of the wrong shape would be resized by an out= op (with this warning) and still give the right
+# numbers: make it an error
+pytestmark = pytest.mark.filterwarnings("error:An output with one or more elements was resized")
+
+
+@pytest.fixture
+def triton_launches():
+    """{kernel name: launches} of the Triton kernels during the test (see `_no_triton_kernels`)."""
+    return {}
+
+
+@pytest.fixture(autouse=True)
+def _no_triton_kernels(request, monkeypatch):
+    """The torch path must not launch the Triton kernels; tests that ask for `triton_launches` count them."""
+    try:
+        from compactionrl_fast.kernels import linear_logprobs as klp
+    except ImportError:  # no triton: nothing to guard
+        return
+    launches = request.getfixturevalue("triton_launches") if "triton_launches" in request.fixturenames else None
+    for name in ("linear_logprobs_stats", "linear_logprobs_dlogits"):
+        real = getattr(klp, name)
+
+        def wrapped(*a, _real=real, _name=name, **k):
+            if launches is None:
+                raise AssertionError("a Triton kernel ran on the torch path")
+            launches[_name] = launches.get(_name, 0) + 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(klp, name, wrapped)
 
 
 def _data(dtype=torch.float32, T=7, H=6, V=11, seed=0, bias=True):
@@ -42,7 +72,7 @@ def _check_grads(got_out, want_out, leaves, seed=1):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("chunk_size", [None, 1, 3, 100])
+@pytest.mark.parametrize("chunk_size", [None, 1, 3, 4, 100])
 @pytest.mark.parametrize("entropy", [False, True])
 def test_matches_reference(dtype, chunk_size, entropy):
     h, w, b, y = _data(dtype)
@@ -81,6 +111,60 @@ def test_only_the_needed_gradients(needs, chunk_size):
     lp, ent = crf.linear_logprobs(h, w, y, bias=b, chunk_size=chunk_size, return_entropy=True)
     r_lp, r_ent = ref.linear_logprobs(h, w, y, bias=b, return_entropy=True)
     _check_grads([lp, ent], [r_lp, r_ent], _leaves(h, w, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk_size", [3, 4])
+def test_no_bias_with_temperature(dtype, chunk_size):
+    h, w, _, y = _data(dtype, bias=False)
+    for x in (h, w):
+        x.requires_grad_()
+    out = crf.linear_logprobs(h, w, y, temperature=0.6, chunk_size=chunk_size, return_entropy=True)
+    want = ref.linear_logprobs(h, w, y, temperature=0.6, return_entropy=True)
+    for o, r in zip(out, want):
+        torch.testing.assert_close(o.double(), r.detach(), rtol=TOL[dtype], atol=TOL[dtype])
+    _check_grads(out, want, [h, w])
+
+
+def test_op_outputs():
+    # the forward op: (lse, logp, entropy or [0], row max, log-sum), each [T] float32
+    h, w, b, y = _data()
+    z = (h.double() @ w.double().T + b.double()) / 0.7
+    for C in (3, 7):
+        for ent_on in (True, False):
+            lse, logp, ent, rowmax, logsum = torch.ops.compactionrl_fast.linear_logprobs_fwd(
+                h, w, b, y, 1 / 0.7, C, ent_on, False)
+            for t in (lse, logp, rowmax, logsum):
+                assert t.dtype == torch.float32 and t.shape == (7,)
+            torch.testing.assert_close(lse.double(), z.logsumexp(-1), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(rowmax.double(), z.amax(-1), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(logsum.double(), (z - z.amax(-1, keepdim=True)).exp().sum(-1).log(),
+                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(logp.double(), z.log_softmax(-1)[torch.arange(7), y], rtol=1e-5, atol=1e-5)
+            assert ent.dtype == torch.float32 and ent.shape == ((7,) if ent_on else (0,))
+    e = ll._empty0(torch.zeros(3, dtype=torch.bfloat16))
+    assert e.shape == (0,) and e.dtype == torch.float32
+
+
+class _SpyChunker(ll._Chunker):
+    sizes = []
+
+    def __init__(self, hidden, weight, bias, inv_t, C, *a, **k):
+        _SpyChunker.sizes.append(C)
+        super().__init__(hidden, weight, bias, inv_t, C, *a, **k)
+
+
+def test_chunk_size_choice(monkeypatch):
+    # the given size, capped at T (at least 1); None: the budget over V (patched small here: 44 // 11 = 4)
+    monkeypatch.setattr(ll, "_Chunker", _SpyChunker)
+    monkeypatch.setattr(ll, "CHUNK_ELEMS", {"cpu": 44, "cuda": 1 << 28})
+    h, w, b, y = _data()
+    loss_fn = _ppo_like(torch.ones(7), torch.ones(7))
+    for chunk_size, want in ((None, 4), (100, 7), (3, 3), (1, 1)):
+        _SpyChunker.sizes = []
+        crf.linear_logprobs(h, w, y, bias=b, chunk_size=chunk_size)
+        crf.linear_logprobs_loss(h, w, y, loss_fn, bias=b, chunk_size=chunk_size)
+        assert _SpyChunker.sizes == [want, want], (chunk_size, _SpyChunker.sizes)
 
 
 def test_no_bias_and_int32_targets_and_defaults():
@@ -149,6 +233,8 @@ def test_out_of_range_targets_without_value_checks(monkeypatch):
 
 def test_default_chunk_size():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert type(ll.default_chunk_size(10000, 100000, cpu)) is int
+    assert ll.default_chunk_size(10000, 1 << 20, cpu) == 16
     assert ll.default_chunk_size(10000, 32768, cpu) == 512
     assert ll.default_chunk_size(100, 32768, cpu) == 100
     assert ll.default_chunk_size(10000, 100000, cpu) == 160  # 167 rounded down to a multiple of 16
@@ -206,20 +292,43 @@ def test_loss_matches_reference(dtype, chunk_size, with_entropy):
     _check_grads([loss * 1], [want], [h, w, b])
 
 
-def test_loss_backward_scales_by_the_upstream_gradient_and_once_only():
+@pytest.mark.parametrize("scale", [-2.5, 2.0, 1.0])
+def test_loss_backward_scales_by_the_upstream_gradient_and_once_only(scale):
     h, w, b, y = _data()
     for x in (h, w, b):
         x.requires_grad_()
     adv, mask = torch.randn(7), torch.ones(7)
-    loss, _, _ = crf.linear_logprobs_loss(h, w, y, _ppo_like(adv, mask), bias=b, chunk_size=3)
-    (loss * -2.5).backward(retain_graph=True)
+    loss, lp, ent = crf.linear_logprobs_loss(h, w, y, _ppo_like(adv, mask), bias=b, chunk_size=3)
+    assert ent is None and lp.shape == (7,)
+    out = loss * scale
+    with CountOps() as ops:
+        out.backward(retain_graph=True)
+    assert ("aten.mul_.Tensor" in ops.ops) == (scale != 1.0), ops.ops  # 1.0 on CPU: no pass over the gradients
     r_lp = ref.linear_logprobs(h, w, y, bias=b)
-    want = -(adv.double() * r_lp).sum() / 5 * -2.5
+    want = -(adv.double() * r_lp).sum() / 5 * scale
     g_ref = torch.autograd.grad(want, (h, w, b))
     for x, g in zip((h, w, b), g_ref):
         torch.testing.assert_close(x.grad.double(), g.double(), rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match="^linear_logprobs_loss: backward ran a second time"):
-        loss.backward()
+    with pytest.raises(RuntimeError, match=r"^linear_logprobs_loss: backward ran a second time through the same "
+                                           r"loss \(retain_graph=True\): its gradients are formed in the forward "
+                                           r"pass and handed out by the first backward only; call "
+                                           r"linear_logprobs_loss again for another backward$"):
+        out.backward()
+
+
+def test_loss_exact_at_large_logits():
+    # integer logits around 3000 (exact in float32): the gradients come from the forward's z - max, never
+    # from recomputed logits minus lse (which rounds at 3000)
+    h = torch.tensor([[1000.0, 1.0], [3000.0, -2.0], [1.0, 1.0]], requires_grad=True)
+    w = torch.tensor([[3.0, 0.0], [3.0, 1.0], [3.0, -1.0], [1.0, 2.0]])
+    y = torch.tensor([0, 2, 3])
+    for C in (1, 3):
+        loss, _, _ = crf.linear_logprobs_loss(h, w, y, lambda lp, ent, sl: -(lp * 0.5).sum() - ent.sum(),
+                                              chunk_size=C, with_entropy=True)
+        (g,) = torch.autograd.grad(loss, h)
+        r_lp, r_ent = ref.linear_logprobs(h, w, y, return_entropy=True)
+        (rg,) = torch.autograd.grad(-(r_lp * 0.5).sum() - r_ent.sum(), h)
+        torch.testing.assert_close(g.double(), rg.double(), rtol=1e-5, atol=1e-5)
 
 
 def test_loss_of_unit_upstream_and_partial_needs():
@@ -250,8 +359,8 @@ def test_loss_without_gradient_in_the_token_loss():
 
 
 @pytest.mark.parametrize("fn, match", [
-    (lambda lp, ent, sl: lp, "token_loss must return a one-element tensor, got Tensor"),
-    (lambda lp, ent, sl: 1.0, "token_loss must return a one-element tensor, got float"),
+    (lambda lp, ent, sl: lp, r"^token_loss must return a one-element tensor, got Tensor \(3,\)$"),
+    (lambda lp, ent, sl: 1.0, "^token_loss must return a one-element tensor, got float $"),
 ])
 def test_loss_refuses_a_non_scalar_token_loss(fn, match):
     h, w, b, y = _data()
@@ -261,8 +370,14 @@ def test_loss_refuses_a_non_scalar_token_loss(fn, match):
 
 def test_loss_refuses_a_non_callable():
     h, w, b, y = _data()
-    with pytest.raises(TypeError, match="^token_loss must be callable"):
+    with pytest.raises(TypeError, match=r"^token_loss must be callable \(logprobs_c, entropy_c, sl\) -> scalar, "
+                                        "got float$"):
         crf.linear_logprobs_loss(h, w, y, 3.0)
+    fn = _ppo_like(torch.ones(7), torch.ones(7))
+    with pytest.raises(ValueError, match="^bias must have 11 elements"):
+        crf.linear_logprobs_loss(h, w, y, fn, bias=torch.zeros(10))
+    with pytest.raises(ValueError, match="^chunk_size must be >= 1, got 0"):
+        crf.linear_logprobs_loss(h, w, y, fn, chunk_size=0)
     with pytest.raises(TypeError, match="^with_entropy must be a bool"):
         crf.linear_logprobs_loss(h, w, y, _ppo_like(torch.ones(7), torch.ones(7)), with_entropy=1)
 
@@ -316,6 +431,36 @@ def test_accepted_edges():
     assert _call(chunk_size=1).shape == (7,)
     lp, ent = crf.linear_logprobs(torch.zeros(0, 6), w, torch.zeros(0, dtype=torch.int64), return_entropy=True)
     assert lp.shape == ent.shape == (0,)
+
+
+@pytest.mark.parametrize("chunk_size", [3, 100])
+def test_triton_backend_runs_the_triton_kernels(triton_launches, chunk_size):
+    # routing only (float32 under the interpreter): values and gradients, the kernels launched, the op's
+    # outputs; the kernels themselves: tests/ops/test_linear_logprobs.py
+    pytest.importorskip("triton")
+    h, w, b, y = _data()
+    for x in (h, w, b):
+        x.requires_grad_()
+    out = crf.linear_logprobs(h, w, y, bias=b, temperature=0.8, chunk_size=chunk_size, return_entropy=True,
+                              backend="triton")
+    want = ref.linear_logprobs(h, w, y, bias=b, temperature=0.8, return_entropy=True)
+    for o, r in zip(out, want):
+        torch.testing.assert_close(o.double(), r.detach(), rtol=2e-5, atol=2e-5)
+    _check_grads(out, want, [h, w, b])
+    n = -(-7 // chunk_size)
+    assert triton_launches == {"linear_logprobs_stats": n, "linear_logprobs_dlogits": n}
+    triton_launches.clear()
+    adv = torch.randn(7)
+    loss, lp, ent = crf.linear_logprobs_loss(h, w, y, lambda lp, ent, sl: -(adv[sl] * lp).sum() - 0.1 * ent.sum(),
+                                             bias=b, temperature=0.8, chunk_size=chunk_size, with_entropy=True,
+                                             backend="triton")
+    r_lp, r_ent = ref.linear_logprobs(h, w, y, bias=b, temperature=0.8, return_entropy=True)
+    r_loss = -(adv.double() * r_lp).sum() - 0.1 * r_ent.sum()
+    torch.testing.assert_close(loss.double(), r_loss.detach(), rtol=2e-5, atol=2e-5)
+    _check_grads([loss * 1], [r_loss], [h, w, b])
+    assert triton_launches == {"linear_logprobs_stats": n, "linear_logprobs_dlogits": n}
+    lse, _, ent0, rowmax, logsum = torch.ops.compactionrl_fast.linear_logprobs_fwd(h, w, b, y, 1.0, 3, False, True)
+    assert ent0.shape == rowmax.shape == logsum.shape == (0,) and lse.shape == (7,)
 
 
 def test_triton_on_cpu_is_float32_only():

@@ -399,10 +399,15 @@ def _call(**over):
     (dict(weight=torch.zeros(11)), ValueError, "^weight"),
     (dict(weight=torch.zeros(11, 5)), ValueError, r"^weight must be \[V, H\] with H=6 \(hidden's last dim\), got "
                                                   r"shape \(11, 5\)"),
-    (dict(weight=torch.zeros(0, 6), bias=None), ValueError, r"^weight must have at least one row"),
+    (dict(weight=torch.zeros(0, 6), bias=None), ValueError,
+     r"^weight must have at least one row \(vocabulary size V >= 1\)$"),
     (dict(weight=torch.zeros(11, 6, device="meta")), ValueError, "^weight"),
     (dict(targets=torch.zeros(7)), TypeError, "^targets"),
-    (dict(targets=torch.zeros(6, dtype=torch.int64)), ValueError, "^targets"),
+    (dict(targets=torch.zeros(6, dtype=torch.int64)), ValueError, "^targets must have 7 elements"),
+    (dict(targets=torch.zeros(7, 1, dtype=torch.int64)), ValueError, "^targets must be 1-D"),
+    (dict(targets=torch.zeros(7, dtype=torch.int64, device="meta")), ValueError, "^targets is on meta"),
+    (dict(bias=torch.zeros(11, 1)), ValueError, "^bias must be 1-D"),
+    (dict(bias=torch.zeros(11, device="meta")), ValueError, "^bias is on meta"),
     (dict(targets=torch.full((7,), 11)), ValueError, r"^targets must be in \[0, V=11\), got targets\[0\]=11"),
     (dict(targets=torch.tensor([0, 1, 2, -3, 4, 5, 6])), ValueError,
      r"^targets must be in \[0, V=11\), got targets\[3\]=-3$"),
@@ -410,7 +415,7 @@ def _call(**over):
     (dict(bias=torch.zeros(11, dtype=torch.float64)), TypeError, "^bias"),
     (dict(temperature=0.0), ValueError, "^temperature must be a finite float > 0, got 0.0"),
     (dict(temperature=float("inf")), ValueError, "^temperature"),
-    (dict(temperature=-1.0), ValueError, "^temperature"),
+    (dict(temperature=-1.0), ValueError, r"^temperature must be in \[0.0, inf\], got -1.0$"),
     (dict(temperature="1"), TypeError, "^temperature"),
     (dict(temperature=1e-39), ValueError, "^temperature=1e-39 is too small"),
     (dict(chunk_size=2.0), TypeError, "^chunk_size must be an int or None, got float"),
@@ -428,6 +433,8 @@ def test_accepted_edges():
     # temperature where 1/t is just representable, chunk size 1, an empty batch
     h, w, b, y = _data()
     assert torch.isfinite(_call(temperature=1e-38)).all()
+    _call(temperature=4e-39)  # 1/t = 2.5e38 still fits float32 (the logits may overflow: not an error)
+    _call(temperature=1.0 / ll.FLOAT32_MAX)  # 1/t is float32 max exactly: allowed
     assert _call(chunk_size=1).shape == (7,)
     lp, ent = crf.linear_logprobs(torch.zeros(0, 6), w, torch.zeros(0, dtype=torch.int64), return_entropy=True)
     assert lp.shape == ent.shape == (0,)
@@ -465,7 +472,9 @@ def test_triton_backend_runs_the_triton_kernels(triton_launches, chunk_size):
 
 def test_triton_on_cpu_is_float32_only():
     h, w, b, y = _data(torch.bfloat16)
-    with pytest.raises(ValueError, match="^backend='triton' on CPU tensors .* supports float32 only"):
+    with pytest.raises(ValueError, match=r"^backend='triton' on CPU tensors \(the Triton interpreter\) supports "
+                                         r"float32 only: the interpreter's bf16/fp16 arithmetic is unreliable; use "
+                                         r"backend='torch'$"):
         crf.linear_logprobs(h, w, y, backend="triton")
     with pytest.raises(ValueError, match="^backend='triton' on CPU tensors"):
         crf.linear_logprobs_loss(h, w, y, _ppo_like(torch.ones(7), torch.ones(7)), backend="triton")

@@ -240,6 +240,17 @@ def test_seg_start_type_and_shape(kw, err, match):
         crf.segment_gae(z, z, torch.ones(4, dtype=torch.bool), torch.tensor([0, 2, 4]), backend="cpp", **kw)
 
 
+def test_seg_start_not_read_without_value_checks(monkeypatch):
+    # COMPACTIONRL_FAST_CHECKS=0: the Python side reads no seg_start value (on CUDA: no host sync); the torch
+    # path then places overlapping segments as told, the C++ op refuses them itself
+    monkeypatch.setenv("COMPACTIONRL_FAST_CHECKS", "0")
+    z, m, cu, bad = torch.ones(4), torch.ones(4, dtype=torch.bool), torch.tensor([0, 2, 4]), torch.tensor([0, 0])
+    adv, _ = crf.segment_gae(z, z, m, cu, seg_start=bad, gamma=0.9, lam=0.9, backend="torch")
+    assert adv.shape == (4,)
+    with pytest.raises(ValueError, match="^segment_gae: the segments placed by seg_start must cover"):
+        crf.segment_gae(z, z, m, cu, seg_start=bad, gamma=0.9, lam=0.9, backend="cpp")
+
+
 def test_seg_start_without_segments():
     e = torch.zeros(0)
     adv, _ = crf.segment_gae(e, e, torch.zeros(0, dtype=torch.bool), torch.zeros(1, dtype=torch.int64),

@@ -104,7 +104,7 @@ def test_rollout_mean_with_an_empty_rollout():
         torch.testing.assert_close(_per_token(f(mask, cu, seg, "rollout-mean"), mask, cu), want)
 
 
-@pytest.mark.parametrize("reduction, den", [("segment-mean", None), ("rollout-mean", torch.tensor(3.0)),
+@pytest.mark.parametrize("reduction, den", [("segment-mean", None), ("rollout-mean", torch.tensor(5.0)),
                                             ("token-mean", 4.0)])
 def test_triton_backend_uses_the_triton_op(reduction, den):
     # routing only (a small batch under the interpreter); the kernels: tests/ops/test_ppo_loss.py

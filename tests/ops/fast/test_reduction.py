@@ -29,12 +29,6 @@ def _per_token(w_seg, mask, cu):
     return torch.where(mask, torch.repeat_interleave(w_seg, lens), 0.0)
 
 
-WEIGHT_FNS = {
-    "op": lambda *a: red.segment_weights(*a),
-    "torch": lambda *a: red.segment_weights_torch(*a),
-}
-
-
 @pytest.mark.parametrize("fn", ["op", "torch", "fallback"])
 @pytest.mark.parametrize("reduction", REDS)
 @pytest.mark.parametrize("layout", ["full", "no_segments", "no_seqlens"])

@@ -21,6 +21,13 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 pytestmark = pytest.mark.filterwarnings("error:An output with one or more elements was resized")
 
 
+@pytest.fixture(autouse=True)
+def _modest_chunk_budget(monkeypatch):
+    """64 rows at H = 8 (one chunk for these tests' T = 10): a broken chunk loop then runs tens of iterations, not
+    the half million of the real 4M-element budget (tests/ops/test_value_head.py uses the real one)."""
+    monkeypatch.setattr(vh, "CHUNK_ELEMS", 64 * 8)
+
+
 @pytest.fixture(params=["chunks", "one_chunk"])
 def chunks(request, monkeypatch):
     """The torch path in one row chunk, or in chunks of 3 rows (T = 10: the last one short)."""
@@ -47,9 +54,8 @@ def _mvs(count):
 
 
 def test_torch_path_row_chunks(monkeypatch):
-    # first in the file: a wrong chunk loop fails here before the one-chunk cases (a loop over T rows one by
-    # one with a 4M-element chunk would run for minutes). bf16: one gemv per 3-row chunk; float32 on CPU: one
-    # gemv for the values and one for d_weight, the chunks only to redo d_weight without non-finite masked rows
+    # bf16: one gemv per 3-row chunk; float32 on CPU: one gemv for the values and one for d_weight, the chunks
+    # only to redo d_weight without non-finite masked rows
     monkeypatch.setattr(vh, "CHUNK_ELEMS", 3 * 8)
     for dtype, mvs in ((torch.bfloat16, (4, 4)), (torch.float32, (1, 1))):
         h, w, b = _data(dtype)

@@ -68,6 +68,8 @@ class TrainConfig:
     # optimisers (Adam)
     actor_lr: float = 2e-6
     critic_lr: float = 3e-6
+    lr_schedule: str = "constant"  # constant | linear | cosine: the actor's lr over the actor updates
+    lr_end_ratio: float = 0.0  # a decaying schedule goes from actor_lr to actor_lr * lr_end_ratio
     adam_betas: tuple = (0.9, 0.999)
     adam_eps: float = 1e-8
     weight_decay: float = 0.0
@@ -221,7 +223,8 @@ CHECKS = {
         seed=_int(0), run_dir=_str, device=_choice("auto", "cpu", "cuda"), threads=_threads,
         rollouts_per_step=_int(1), group_size=_int(1), micro_batch_tokens=_int(1), steps=_int(0),
         value_pretrain_steps=_int(0), critic_updates_per_step=_int(0), ppo_epochs=_int(1), ppo_minibatches=_int(1),
-        actor_lr=_num(0), critic_lr=_num(0), adam_betas=_betas, adam_eps=_num(0, open_lo=True), weight_decay=_num(0),
+        actor_lr=_num(0), critic_lr=_num(0), lr_schedule=_choice("constant", "linear", "cosine"),
+        lr_end_ratio=_num(0, 1), adam_betas=_betas, adam_eps=_num(0, open_lo=True), weight_decay=_num(0),
         max_grad_norm=_opt(_num(0, open_lo=True)), gamma=_num(0, 1), lam=_lam, adaptive_alpha=_num(0, open_lo=True),
         adaptive_length=_choice("rollout", "segment"), lam_critic=_opt(_num(0, 1)),
         cross_segment=_choice("paper", "none", "stitched"), clip_low=_num(0, 1), clip_high=_num(0),
@@ -288,6 +291,10 @@ HELP = {
     "ppo_minibatches": "actor optimiser steps per pass (the batch's rollouts split evenly)",
     "actor_lr": "Adam learning rate of the actor",
     "critic_lr": "Adam learning rate of the critic",
+    "lr_schedule": "constant | linear | cosine: the actor's learning rate over the actor updates. constant: "
+                   "actor_lr throughout; linear / cosine: from actor_lr at the first update down to "
+                   "actor_lr * lr_end_ratio at the end of training (the critic's stays constant)",
+    "lr_end_ratio": "in [0, 1]: where a linear or cosine lr_schedule ends, as a fraction of actor_lr",
     "adam_betas": "Adam betas (beta1, beta2) of both optimisers",
     "adam_eps": "Adam epsilon of both optimisers",
     "weight_decay": "Adam weight decay of both optimisers",
@@ -341,7 +348,7 @@ HELP = {
 }
 
 # CLI placeholders where the default's type does not say what is allowed
-METAVAR = {"device": "{auto,cpu,cuda}", "threads": "{0,N,auto}", "lam": "{FLOAT,adaptive}",
+METAVAR = {"device": "{auto,cpu,cuda}", "lr_schedule": "{constant,linear,cosine}", "threads": "{0,N,auto}", "lam": "{FLOAT,adaptive}",
            "adaptive_length": "{rollout,segment}", "lam_critic": "{FLOAT,null}", "cross_segment": "{paper,none,stitched}",
            "dual_clip": "{FLOAT,null}", "tis_cap": "{FLOAT,null}", "value_clip": "{FLOAT,null}",
            "max_grad_norm": "{FLOAT,null}", "loss_reduction": "{token-mean,segment-mean,rollout-mean,sum}",

@@ -68,6 +68,8 @@ class TrainConfig:
     # optimisers (Adam)
     actor_lr: float = 2e-6
     critic_lr: float = 3e-6
+    lr_schedule: str = "constant"  # constant | linear | cosine: the actor's lr over the actor updates
+    lr_end_ratio: float = 0.0  # a decaying schedule goes from actor_lr to actor_lr * lr_end_ratio
     adam_betas: tuple = (0.9, 0.999)
     adam_eps: float = 1e-8
     weight_decay: float = 0.0
@@ -108,12 +110,12 @@ class TrainConfig:
 def demo_config(**overrides) -> TrainConfig:
     """The CPU demo (docs/demo.md): tiny model, SFT warm start on an expert whose summaries
     drop the oldest digit 60% of the time, then 120 PPO steps of 64 rollouts in 2 actor mini-batches,
-    lr 3e-4/1e-3 (benchmarks/results/demo_recipe_retune.md: why 120 steps)."""
+    critic lr 1e-3, actor lr 6e-4 with a cosine decay to 6e-5 (benchmarks/results/demo_recipe_retune.md: why)."""
     cfg = TrainConfig(
         # "auto": 2 threads are ~1.65x faster on the idle 2-core machine, 2-7x slower when it is shared
         run_dir="runs/demo", threads="auto", rollouts_per_step=64, ppo_minibatches=2, steps=120, value_pretrain_steps=10,
-        actor_lr=3e-4, critic_lr=1e-3, clip_high=0.2, max_grad_norm=1.0, micro_batch_tokens=1 << 30,
-        gap_every=10, checkpoint_every=0,
+        actor_lr=6e-4, lr_schedule="cosine", lr_end_ratio=0.1, critic_lr=1e-3, clip_high=0.2, max_grad_norm=1.0,
+        micro_batch_tokens=1 << 30, gap_every=10, checkpoint_every=0,
         sft=SFTConfig(steps=1000, rollouts_per_step=16, lr=2e-3, expert_drop_p=0.6),
     )
     return update(cfg, overrides)
@@ -221,7 +223,8 @@ CHECKS = {
         seed=_int(0), run_dir=_str, device=_choice("auto", "cpu", "cuda"), threads=_threads,
         rollouts_per_step=_int(1), group_size=_int(1), micro_batch_tokens=_int(1), steps=_int(0),
         value_pretrain_steps=_int(0), critic_updates_per_step=_int(0), ppo_epochs=_int(1), ppo_minibatches=_int(1),
-        actor_lr=_num(0), critic_lr=_num(0), adam_betas=_betas, adam_eps=_num(0, open_lo=True), weight_decay=_num(0),
+        actor_lr=_num(0), critic_lr=_num(0), lr_schedule=_choice("constant", "linear", "cosine"),
+        lr_end_ratio=_num(0, 1), adam_betas=_betas, adam_eps=_num(0, open_lo=True), weight_decay=_num(0),
         max_grad_norm=_opt(_num(0, open_lo=True)), gamma=_num(0, 1), lam=_lam, adaptive_alpha=_num(0, open_lo=True),
         adaptive_length=_choice("rollout", "segment"), lam_critic=_opt(_num(0, 1)),
         cross_segment=_choice("paper", "none", "stitched"), clip_low=_num(0, 1), clip_high=_num(0),
@@ -288,6 +291,10 @@ HELP = {
     "ppo_minibatches": "actor optimiser steps per pass (the batch's rollouts split evenly)",
     "actor_lr": "Adam learning rate of the actor",
     "critic_lr": "Adam learning rate of the critic",
+    "lr_schedule": "constant | linear | cosine: the actor's learning rate over the actor updates. constant: "
+                   "actor_lr throughout; linear / cosine: from actor_lr at the first update down to "
+                   "actor_lr * lr_end_ratio at the end of training (the critic's stays constant)",
+    "lr_end_ratio": "in [0, 1]: where a linear or cosine lr_schedule ends, as a fraction of actor_lr",
     "adam_betas": "Adam betas (beta1, beta2) of both optimisers",
     "adam_eps": "Adam epsilon of both optimisers",
     "weight_decay": "Adam weight decay of both optimisers",
@@ -341,7 +348,7 @@ HELP = {
 }
 
 # CLI placeholders where the default's type does not say what is allowed
-METAVAR = {"device": "{auto,cpu,cuda}", "threads": "{0,N,auto}", "lam": "{FLOAT,adaptive}",
+METAVAR = {"device": "{auto,cpu,cuda}", "lr_schedule": "{constant,linear,cosine}", "threads": "{0,N,auto}", "lam": "{FLOAT,adaptive}",
            "adaptive_length": "{rollout,segment}", "lam_critic": "{FLOAT,null}", "cross_segment": "{paper,none,stitched}",
            "dual_clip": "{FLOAT,null}", "tis_cap": "{FLOAT,null}", "value_clip": "{FLOAT,null}",
            "max_grad_norm": "{FLOAT,null}", "loss_reduction": "{token-mean,segment-mean,rollout-mean,sum}",

@@ -37,6 +37,7 @@ RL_FIGURES = {
         # repeats approx_kl up to rounding: one panel, one line
         ("Approximate KL, policy vs behaviour policy", "nats per token", [("actor/approx_kl", None)]),
         ("Policy entropy", "nats per token", [("actor/entropy", None)]),
+        ("Actor learning rate", "learning rate (lr_schedule)", [("actor/lr", None)]),
     ],
     "advantages": [
         ("Mean advantage by segment", "advantage", [("adv_exec_mean", "exec"), ("adv_summary1_mean", "summary 1"),

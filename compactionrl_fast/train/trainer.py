@@ -94,6 +94,19 @@ def make_state(cfg: TrainConfig, actor, critic, group=None) -> State:
                  torch.optim.Adam(critic.parameters(), lr=cfg.critic_lr, **adam), group=group)
 
 
+def actor_lr_at(cfg: TrainConfig, update: int) -> float:
+    """The actor's learning rate at actor update `update` (0-based, of cfg.steps).
+
+    constant: cfg.actor_lr. linear / cosine: actor_lr * (r + (1 - r) * f(x)), r = cfg.lr_end_ratio,
+    x = update / steps, f(x) = 1 - x or (1 + cos(pi x)) / 2: actor_lr at the first update, and r * actor_lr
+    is reached just after the last one (so the last update still moves the weights when r = 0)."""
+    if cfg.lr_schedule == "constant":
+        return cfg.actor_lr
+    x = min(max(update, 0) / max(cfg.steps, 1), 1.0)
+    f = 1.0 - x if cfg.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * x))
+    return cfg.actor_lr * (cfg.lr_end_ratio + (1.0 - cfg.lr_end_ratio) * f)
+
+
 def save_state(state: State, run_dir: str) -> str:
     return checkpoint.save(run_dir, models={"actor": state.actor, "critic": state.critic},
                            optimizers={"actor": state.opt_actor, "critic": state.opt_critic},
@@ -234,6 +247,11 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
     # ---- actor: PPO epochs over mini-batches
     if update_actor:
         actor.train()
+        # the schedule is a function of the actor update (state.step counts value pre-training first), so a
+        # resumed run continues it
+        lr = actor_lr_at(cfg, state.step - cfg.value_pretrain_steps)
+        for g in state.opt_actor.param_groups:
+            g["lr"] = lr
         minibatches = minibatches or [list(range(len(batches)))]
         # behaviour log-probs, frozen before the first actor step; the first mini-batch of a single epoch
         # is trained before any step, so its live log-probs (detached) are the behaviour ones
@@ -249,6 +267,7 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
                 sub = lambda xs: [xs[j] for j in mb]  # noqa: E731
                 acc.add(_actor_update(state, sub(batches), sub(idx), sub(adv), sub(old)), 1.0)
         out.update(acc.result())
+        out["actor/lr"] = lr
     # ---- diagnostics on the whole local batch
     if diagnose:
         d = _Mean()

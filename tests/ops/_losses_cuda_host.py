@@ -86,6 +86,14 @@ def route_cpp_to_cuda_host(monkeypatch, lib):
     monkeypatch.setattr(torch.ops.compactionrl_fast, "value_loss", value_loss)
 
 
+def route_small_block(monkeypatch, cuda_host_lib):
+    """Route backend="cpp" to the host build of `cuda_host_lib` at the small block shape (skip the GPU one)."""
+    lib, threads = cuda_host_lib
+    if threads > 32:
+        pytest.skip("one block shape is enough here")
+    route_cpp_to_cuda_host(monkeypatch, lib)
+
+
 def host_case(monkeypatch, cuda_host_lib, case):
     """Route backend="cpp" to the host build of `cuda_host_lib` and return (packed batch of `case`, threads per
     block); the GPU block shape runs only the case that spans several blocks, with int64 offsets."""

@@ -299,10 +299,7 @@ def test_zero_denominator_is_zero_where_float32_overflows(backend):
 
 @pytest.mark.skipif("cpp" not in BACKENDS, reason="the cpp backend defines the op schema")
 def test_zero_denominator_cuda_kernels_on_host(monkeypatch, cuda_host_lib):
-    lib, threads = cuda_host_lib
-    if threads > 32:
-        pytest.skip("one block shape is enough here")
-    host.route_cpp_to_cuda_host(monkeypatch, lib)
+    host.route_small_block(monkeypatch, cuda_host_lib)
     _check_zero_denominator("cpp")
 
 

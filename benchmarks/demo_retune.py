@@ -6,9 +6,10 @@ SFT runs once per seed with the demo's own functions (`demo.build`, `demo.run_sf
 and its weights are kept in OUT/seed<S>/sft.pt; the SFT model is evaluated once (`demo.run_eval`: 512
 held-out tasks, T=1 and greedy). A try then loads those weights, trains the critic and the actor the way
 `demo.run_rl` does (`critic_from_actor`, `make_state`, `fit` with the demo's packer) with the demo's config
-plus the `--set` overrides (RL keys: the SFT weights are always the demo's), and evaluates the actor every `--every` actor updates from update `--from-step`
-on (T=1 only; the final model also greedy). Every event is one JSON line in OUT/seed<S>/NAME.jsonl (CPU
-seconds of training and of evaluations apart). Without `--set`, `--name sft` only prepares the seed.
+plus the `--set` overrides (RL keys: the SFT weights are always the demo's), and evaluates the actor every
+`--every` actor updates from update `--from-step` on (T=1 only; the final model also greedy). Every event
+is one JSON line in OUT/seed<S>/NAME.jsonl (CPU seconds of training and of evaluations apart). Without
+`--set` it only prepares the seed (SFT and its evaluation).
 
 With `lr_schedule=constant` each step's tasks and sampling seeds depend only on (seed, step), so the model
 after N updates of a longer run is the final model of a run with steps=N; with a decaying schedule only the

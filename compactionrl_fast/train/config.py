@@ -348,11 +348,12 @@ HELP = {
 }
 
 # CLI placeholders where the default's type does not say what is allowed
-METAVAR = {"device": "{auto,cpu,cuda}", "lr_schedule": "{constant,linear,cosine}", "threads": "{0,N,auto}", "lam": "{FLOAT,adaptive}",
+METAVAR = {"device": "{auto,cpu,cuda}", "threads": "{0,N,auto}", "lam": "{FLOAT,adaptive}",
            "adaptive_length": "{rollout,segment}", "lam_critic": "{FLOAT,null}", "cross_segment": "{paper,none,stitched}",
            "dual_clip": "{FLOAT,null}", "tis_cap": "{FLOAT,null}", "value_clip": "{FLOAT,null}",
            "max_grad_norm": "{FLOAT,null}", "loss_reduction": "{token-mean,segment-mean,rollout-mean,sum}",
-           "train_summary_tokens": "{true,false}", "progress": "{true,false}"}
+           "train_summary_tokens": "{true,false}", "progress": "{true,false}",
+           "lr_schedule": "{constant,linear,cosine}"}
 
 # keys of the dict sections: the memory task's constructor and the rollout config (documented there)
 ENV_HELP = {

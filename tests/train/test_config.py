@@ -18,7 +18,8 @@ def test_paper_defaults():
 
 def test_demo_overrides():
     c = demo_config(steps=7)
-    assert (c.actor_lr, c.critic_lr, c.value_pretrain_steps, c.rollouts_per_step, c.steps) == (3e-4, 1e-3, 10, 64, 7)
+    assert (c.actor_lr, c.critic_lr, c.value_pretrain_steps, c.rollouts_per_step, c.steps) == (6e-4, 1e-3, 10, 64, 7)
+    assert (c.lr_schedule, c.lr_end_ratio) == ("cosine", 0.1)
     assert c.sft.steps > 0 and c.train_summary_tokens
 
 

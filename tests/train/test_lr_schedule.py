@@ -51,7 +51,8 @@ def _fit_lrs(tmp, steps, state=None, **kw):
 
     seen_actor, seen_critic = [], []
     real_a, real_c = state.opt_actor.step, state.opt_critic.step
-    state.opt_actor.step = lambda *a, **k: (seen_actor.append(state.opt_actor.param_groups[0]["lr"]), real_a(*a, **k))[1]
+    state.opt_actor.step = lambda *a, **k: (seen_actor.append(state.opt_actor.param_groups[0]["lr"]),
+                                            real_a(*a, **k))[1]
     state.opt_critic.step = lambda *a, **k: (seen_critic.append(state.opt_critic.param_groups[0]["lr"]),
                                              real_c(*a, **k))[1]
     try:

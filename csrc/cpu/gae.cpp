@@ -90,6 +90,7 @@ void rollout_numbers(int64_t r, const idx_t* cu_seq, const idx_t* cu_seg, const 
 // An independent recurrence: segments lo..hi walked from hi down; only hi has reset = 1.
 struct Chain {
   int64_t lo, hi;
+  int64_t tokens = 0;  // set once the chain is complete
 };
 
 // The SIMD paths, chosen per call: COMPACTIONRL_FAST_CPU_SIMD = auto (default: the widest the CPU has),
@@ -321,8 +322,7 @@ struct ChainScan {
     const int lanes = simd == kAvx512 ? 8 : 4;
     // longest first: when the queue runs dry, the lanes still busy hold short chains, which finish one by one
     std::vector<Chain> chains(chains_in, chains_in + n);
-    auto tokens = [&](const Chain& c) { return (int64_t)cu[c.hi + 1] - (int64_t)cu[c.lo]; };
-    std::stable_sort(chains.begin(), chains.end(), [&](const Chain& x, const Chain& y) { return tokens(x) > tokens(y); });
+    std::stable_sort(chains.begin(), chains.end(), [](const Chain& x, const Chain& y) { return x.tokens > y.tokens; });
     Lane lane[kMaxLanes];
     int64_t next = 0;
     int live = 0;
@@ -457,10 +457,13 @@ std::tuple<at::Tensor, at::Tensor> segment_gae_cpu(const at::Tensor& rewards, co
     std::vector<Chain> chains;  // each starts (from the end) at a segment with reset = 1
     std::vector<int64_t> chain_tokens(1, 0);  // prefix sums of the chains' lengths, for the split
     for (int64_t s = S - 1; s >= 0; --s) {
-      if (params[s].reset != 0.0 || chains.empty()) chains.push_back({s, s});
+      if (params[s].reset != 0.0 || chains.empty()) chains.push_back({s, s, 0});
       else chains.back().lo = s;
     }
-    for (const Chain& c : chains) chain_tokens.push_back(chain_tokens.back() + cu_seq[c.hi + 1] - cu_seq[c.lo]);
+    for (Chain& c : chains) {
+      c.tokens = (int64_t)cu_seq[c.hi + 1] - (int64_t)cu_seq[c.lo];
+      chain_tokens.push_back(chain_tokens.back() + c.tokens);
+    }
     const ChainScan<index_t> scan{cu_seq, pst, params.data(), rew.data_ptr<float>(), val.data_ptr<float>(), pm,
                                   gamma, lam_critic >= 0.0, adv.data_ptr<float>(), ret.data_ptr<float>(), simd_path()};
     const int64_t n = (int64_t)chains.size();

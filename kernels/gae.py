@@ -25,9 +25,12 @@ one program per rollout (counts included), into [4, S] float64 arrays that the s
 reaches the scan and nothing is read on the host. Offsets are never trusted: every kernel clamps what it
 reads to [0, T] / [0, S] and bisects only inside [0, S), so bad offsets give wrong numbers, never a bad access.
 
-Accumulation is float64: with float32 the worst error against the float64 reference on 3000-token
-segments is 2.2e-6 relative to 1 + |ref| (tolerance 2e-6), float64 gives 6e-8 (float32 output rounding).
-The op is memory-bound; float64 arithmetic is cheap on A100/H100/H200, not on consumer GPUs.
+Precision: a block's sums (rewards minus values, the carried values) and every output are float32, as in
+the loops trainers run; the scan's coefficients (products of gamma*lam_s) and everything that crosses
+blocks (the carry, a chunk's or a tile's composed map, the per-segment numbers) are float64. A float32
+scan forms the powers of gamma*lam by repeated squaring, which doubles their relative error at each
+level: like a wrong last bit of gamma*lam, up to 3x the float32 loop's error (4K-token stitched rollouts,
+adaptive lambda). The error stays within the accuracy rule of tests/ops/test_gae_accuracy.py.
 """
 import functools
 import os
@@ -42,7 +45,8 @@ from compactionrl_fast.ops._alloc import empty
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
 from .segments import device_guard
 
-ACC = tl.float64  # accumulation dtype of the maps and carries (see the module docstring)
+ACC = tl.float64  # coefficients, and the maps and carries that cross blocks (see the module docstring)
+TOK = tl.float32  # a block's sums and the outputs
 LAM_CONST, LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT, LAM_TENSOR = 0, 1, 2, 3  # as compactionrl_fast/ops/gae.py
 CROSS_NONE, CROSS_PAPER, CROSS_STITCHED = 0, 1, 2
 N_MAP = 9  # a chunk map: (xa, ya, pa, z, q, xc, yc, pc, f), see _compose
@@ -55,20 +59,23 @@ def _compose(xa1, ya1, pa1, z1, q1, xc1, yc1, pc1, f1, xa2, ya2, pa2, z2, q2, xc
     # f = 1: the recurrence stops inside the range (its coefficients are 0 and the carry is not read).
     # Map 2 (the earlier range) applied after map 1 (the later range). A stopping map 2 is kept as it is:
     # 0 * (a NaN of a later segment or rollout) would be NaN, and the C++ scan never multiplies there.
+    # The coefficients x, y may be float64 and the sums p, q float32 (a block's scan, module docstring).
     k = f2 != 0
+    t = pa2.dtype
     return (tl.where(k, xa2, xa2 * xa1), tl.where(k, ya2, xa2 * ya1 + ya2 * z1),
-            tl.where(k, pa2, xa2 * pa1 + ya2 * q1 + pa2), tl.where(k, z2, z2 * z1), tl.where(k, q2, z2 * q1 + q2),
-            tl.where(k, xc2, xc2 * xc1), tl.where(k, yc2, xc2 * yc1 + yc2 * z1),
-            tl.where(k, pc2, xc2 * pc1 + yc2 * q1 + pc2), tl.maximum(f1, f2))
+            tl.where(k, pa2, tl.cast(xa2, t) * pa1 + tl.cast(ya2, t) * q1 + pa2), tl.where(k, z2, z2 * z1),
+            tl.where(k, q2, z2 * q1 + q2), tl.where(k, xc2, xc2 * xc1), tl.where(k, yc2, xc2 * yc1 + yc2 * z1),
+            tl.where(k, pc2, tl.cast(xc2, t) * pc1 + tl.cast(yc2, t) * q1 + pc2), tl.maximum(f1, f2))
 
 
 @triton.jit
 def _compose_adv(xa1, ya1, pa1, z1, q1, f1, xa2, ya2, pa2, z2, q2, f2):
     # _compose without the returns' recurrence (lam_critic=None: returns reuse the advantages)
     k = f2 != 0
+    t = pa2.dtype
     return (tl.where(k, xa2, xa2 * xa1), tl.where(k, ya2, xa2 * ya1 + ya2 * z1),
-            tl.where(k, pa2, xa2 * pa1 + ya2 * q1 + pa2), tl.where(k, z2, z2 * z1), tl.where(k, q2, z2 * q1 + q2),
-            tl.maximum(f1, f2))
+            tl.where(k, pa2, tl.cast(xa2, t) * pa1 + tl.cast(ya2, t) * q1 + pa2), tl.where(k, z2, z2 * z1),
+            tl.where(k, q2, z2 * q1 + q2), tl.maximum(f1, f2))
 
 
 @triton.jit
@@ -216,7 +223,7 @@ def _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, gl_ptr, glc_ptr
             o_p = o_t
         b_m = tl.load(mask_ptr + o_p, mask=m_t, other=0) != 0
         b_v32 = tl.load(val_ptr + o_p, mask=b_m, other=0.0)
-        b_rv = tl.load(rew_ptr + o_p, mask=b_m, other=0.0).to(ACC) - b_v32.to(ACC)
+        b_rv = tl.load(rew_ptr + o_p, mask=b_m, other=0.0) - b_v32
         # the recurrence stops after the segment's last token (segment end, or rollout end if stitched)
         b_end = tl.load(cu_ptr + b_s + 1, mask=m_t, other=0).to(tl.int64) - 1 == o_t
         b_keep = ~(b_end & (tl.load(reset_ptr + b_s, mask=m_t, other=0.0) != 0.0))
@@ -225,32 +232,40 @@ def _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, gl_ptr, glc_ptr
         b_pa = tl.where(b_m, b_rv, 0.0)
         b_z = tl.where(b_keep & ~b_m, 1.0, 0.0)
         b_q = tl.where(b_m, b_v32, 0.0)
-        b_f = tl.where(b_keep, 0.0, 1.0).to(ACC)
+        b_f = tl.where(b_keep, 0.0, 1.0).to(TOK)
         if OWN_CRITIC:
             b_xc = tl.where(b_keep, tl.where(b_m, tl.load(glc_ptr + b_s, mask=m_t, other=1.0), 1.0), 0.0)
             b_xa, b_ya, b_pa, b_z, b_q, b_xc, b_yc, b_pc, b_f = tl.associative_scan(
                 (b_xa, b_ya, b_pa, b_z, b_q, b_xc, b_ya, b_pa, b_f), 0, _compose)
         else:
             b_xa, b_ya, b_pa, b_z, b_q, b_f = tl.associative_scan((b_xa, b_ya, b_pa, b_z, b_q, b_f), 0, _compose_adv)
-        if WRITE:
-            b_a = _apply(b_f, b_xa, b_ya, b_pa, a_c, v_c)
+            b_xc, b_yc, b_pc = b_xa, b_ya, b_pa
+        # the block's map (last lane), float64 from here on
+        g_xa, g_ya, g_pa = tl.gather(b_xa, i_last, 0).to(ACC), tl.gather(b_ya, i_last, 0).to(ACC), tl.gather(
+            b_pa, i_last, 0).to(ACC)
+        g_z, g_q, g_f = tl.gather(b_z, i_last, 0).to(ACC), tl.gather(b_q, i_last, 0).to(ACC), tl.gather(
+            b_f, i_last, 0).to(ACC)
+        if OWN_CRITIC:
+            g_xc, g_yc, g_pc = tl.gather(b_xc, i_last, 0).to(ACC), tl.gather(b_yc, i_last, 0).to(ACC), tl.gather(
+                b_pc, i_last, 0).to(ACC)
+        else:
+            g_xc, g_yc, g_pc = g_xa, g_ya, g_pa
+        if WRITE:  # every token from the carry at the block's end, in float32
+            a_t, v_t = a_c.to(TOK), v_c.to(TOK)
+            b_a = _apply(b_f, b_xa.to(TOK), b_ya.to(TOK), b_pa, a_t, v_t)
             if OWN_CRITIC:
-                b_ac = _apply(b_f, b_xc, b_yc, b_pc, ac_c, v_c)
+                b_ac = _apply(b_f, b_xc.to(TOK), b_yc.to(TOK), b_pc, ac_c.to(TOK), v_t)
             else:
                 b_ac = b_a
-            b_scale = tl.load(scale_ptr + b_s, mask=b_m, other=0.0)
+            b_scale = tl.load(scale_ptr + b_s, mask=b_m, other=0.0).to(TOK)
             tl.store(adv_ptr + o_p, tl.where(b_m, b_scale * b_a, 0.0).to(adv_ptr.dtype.element_ty), mask=m_t)
             tl.store(ret_ptr + o_p, tl.where(b_m, b_ac + b_v32, 0.0).to(ret_ptr.dtype.element_ty), mask=m_t)
-            a_c, ac_c = tl.gather(b_a, i_last, 0), tl.gather(b_ac, i_last, 0)
-            v_c = _apply(tl.gather(b_f, i_last, 0), tl.gather(b_z, i_last, 0), 0.0, tl.gather(b_q, i_last, 0), v_c, 0.0)
-        else:
-            # chunk map = block map after the map of the later blocks (the formulas of _compose)
-            g_xa, g_ya, g_pa = tl.gather(b_xa, i_last, 0), tl.gather(b_ya, i_last, 0), tl.gather(b_pa, i_last, 0)
-            g_z, g_q, g_f = tl.gather(b_z, i_last, 0), tl.gather(b_q, i_last, 0), tl.gather(b_f, i_last, 0)
-            if OWN_CRITIC:
-                g_xc, g_yc, g_pc = tl.gather(b_xc, i_last, 0), tl.gather(b_yc, i_last, 0), tl.gather(b_pc, i_last, 0)
-            else:
-                g_xc, g_yc, g_pc = g_xa, g_ya, g_pa
+            # the carry into the next block: the float64 carry through the block's map
+            a_n = _apply(g_f, g_xa, g_ya, g_pa, a_c, v_c)
+            ac_n = _apply(g_f, g_xc, g_yc, g_pc, ac_c, v_c)
+            v_c = _apply(g_f, g_z, 0.0, g_q, v_c, 0.0)
+            a_c, ac_c = a_n, ac_n
+        else:  # chunk map = block map after the map of the later blocks (the formulas of _compose)
             m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc, m_f = _compose(
                 m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc, m_f, g_xa, g_ya, g_pa, g_z, g_q, g_xc, g_yc, g_pc, g_f)
     return m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc, m_f

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 
@@ -46,23 +47,32 @@ def segment_lambdas(lam, loss_mask, cu_seqlens, cu_segments, alpha=1.5, length="
     return out
 
 
-def _recurrence(r, v, gamma, lams):
+def _recurrence(r, v, gamma, lams, f=float):
     """Reverse GAE over a list of trainable steps; lams[k] is the lambda of step k's segment.
 
     delta_k = r_k + gamma*V_{k+1} - V_k, A_k = delta_k + gamma*lam_k*A_{k+1}, V_{n+1} = A_{n+1} = 0.
+    f: the number type of the arithmetic (float, or numpy.float32 for the loop trainers run).
     """
-    a = [0.0] * len(r)
-    a_next, v_next = 0.0, 0.0
+    a = [f(0.0)] * len(r)
+    a_next, v_next, g = f(0.0), f(0.0), f(gamma)
     for k in range(len(r) - 1, -1, -1):
-        a_next = r[k] + gamma * v_next - v[k] + gamma * lams[k] * a_next
-        v_next = v[k]
+        a_next = f(r[k]) + g * v_next - f(v[k]) + f(gamma * lams[k]) * a_next
+        v_next = f(v[k])
         a[k] = a_next
     return a
 
 
 def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gamma=1.0, lam="adaptive",
-                cross_segment="paper", lam_critic=1.0, adaptive_alpha=1.5, adaptive_length="rollout"):
-    """Oracle for `compactionrl_fast.segment_gae`. Returns float64 (advantages [T], returns [T]) on CPU."""
+                cross_segment="paper", lam_critic=1.0, adaptive_alpha=1.5, adaptive_length="rollout",
+                dtype=torch.float64):
+    """Oracle for `compactionrl_fast.segment_gae`. Returns float64 (advantages [T], returns [T]) on CPU.
+
+    dtype: the arithmetic, float64 (the oracle) or float32: the sequential loop trainers run, each operation
+    rounded to float32 (tests/ops/test_gae_accuracy.py's rule bounds a backend's error by twice its error).
+    """
+    if dtype not in (torch.float64, torch.float32):
+        raise ValueError(f"dtype must be torch.float64 or torch.float32, got {dtype}")
+    f = float if dtype == torch.float64 else np.float32
     T = loss_mask.numel()
     S = cu_seqlens.numel() - 1
     if cu_segments is None:
@@ -87,14 +97,14 @@ def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gam
             later = [sum(len(pos[t]) for t in range(s + 1, s1)) for s in range(s0, s1)]
             factors = [power(gamma * lams[s], later[i]) if cross_segment == "paper" else 1.0
                        for i, s in enumerate(range(s0, s1))]
-        for g, gl, f in zip(groups, glams, factors):
+        for g, gl, fac in zip(groups, glams, factors):
             r = [float(r_all[p]) for p in g]
             v = [float(v_all[p]) for p in g]
-            a = _recurrence(r, v, gamma, gl)
-            ac = a if lam_critic is None else _recurrence(r, v, gamma, [float(lam_critic)] * len(g))
+            a = _recurrence(r, v, gamma, gl, f)
+            ac = a if lam_critic is None else _recurrence(r, v, gamma, [float(lam_critic)] * len(g), f)
             for k, p in enumerate(g):
-                adv[p] = f * a[k]
-                ret[p] = ac[k] + v[k]
+                adv[p] = float(f(fac) * a[k])
+                ret[p] = float(ac[k] + f(v[k]))
     return adv, ret
 
 

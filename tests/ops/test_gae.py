@@ -2,6 +2,7 @@
 every backend vs the reference on packed batches from the shape table; bad inputs."""
 import itertools
 import math
+import zlib
 
 import pytest
 import torch
@@ -132,14 +133,17 @@ def test_adaptive_lambda_values():
 
 
 def _check_backend(backend, b, **kw):
+    """The accuracy rule (tests/ops/test_gae_accuracy.py): against the float64 reference, the backend's error is
+    at most twice the float32 sequential loop's, plus one float32 ulp of the largest output."""
     adv, ret = crf.segment_gae(**b, backend=backend, **kw)
-    ra, rr = ref.segment_gae(**b, **kw)
     assert adv.dtype == torch.float32 and ret.dtype == torch.float32
     assert not adv.isnan().any() and not ret.isnan().any()
-    # float32 outputs of a float64-accumulated scan: rounding of the output dominates
-    scale = 1.0 + ra.abs()
-    assert ((adv.double() - ra).abs() / scale).max() < 2e-6, (backend, kw)
-    assert ((ret.double() - rr).abs() / (1.0 + rr.abs())).max() < 2e-6, (backend, kw)
+    want, loop = ref.segment_gae(**b, **kw), ref.segment_gae(**b, **kw, dtype=torch.float32)
+    for name, got, w, l in zip(("advantages", "returns"), (adv, ret), want, loop):
+        err, e32 = (got.double() - w).abs().max().item(), (l - w).abs().max().item()
+        rounding = w.abs().max().item() * 2.0**-23
+        assert err <= 2 * e32 + rounding, \
+            f"{backend} {name}: error {err:.3g} > 2 x float32 loop error {e32:.3g} + {rounding:.3g} ({kw})"
     assert (adv[~b["loss_mask"]] == 0).all() and (ret[~b["loss_mask"]] == 0).all()
 
 
@@ -148,7 +152,8 @@ def _check_backend(backend, b, **kw):
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("mode", MODES)
 def test_backend_matches_reference_shape_table(backend, case, index_dtype, mode):
-    b = packed_batch(SHAPE_TABLE[case], seed=hash(case) % 1000, index_dtype=index_dtype)
+    # a seed fixed per case (hash() of a str changes with every process)
+    b = packed_batch(SHAPE_TABLE[case], seed=zlib.crc32(case.encode()) % 1000, index_dtype=index_dtype)
     for lam in LAMS:
         _check_backend(backend, b, gamma=0.99, lam=lam, cross_segment=mode)
     _check_backend(backend, b, cross_segment=mode)  # the paper's defaults

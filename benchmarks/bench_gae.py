@@ -59,6 +59,7 @@ SHAPES = {
     "16x65536": (16, 65536, 1, False),
     "16x65536 3seg": (16, 65536, 3, False),
     "1M varlen": (128, 8192, 0, True),  # 2^20 tokens, rollout lengths 0.25..2x the mean, 1..4 segments
+    "4x262144": (4, 262144, 1, False),  # fewer rollouts than CPU lanes: the long ones are cut into pieces
 }
 QUICK_SHAPES = {
     "4x512": (4, 512, 1, False),

@@ -4,7 +4,9 @@
 //   2. the scan over "chains", the independent recurrences (a segment, or a stitched rollout): 8 (AVX-512) or 4
 //      (AVX2, scalar) chains walk backwards in lockstep, one token of each per step, so the per-token
 //      dependency chain of one recurrence overlaps with the others' instead of setting the pace. Masked tokens
-//      are selects, not branches (a random mask would mispredict). A thread takes a range of chains.
+//      are selects, not branches (a random mask would mispredict). A thread takes a range of chains; lanes stay
+//      in lockstep while two or more are busy, and a chain long enough to outlast the others is cut into
+//      pieces scanned in two passes (`cut_long_chains`).
 // `segment_gae_serial` keeps the one-rollout-at-a-time scan for the benchmark's "old" row.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -87,10 +89,14 @@ void rollout_numbers(int64_t r, const idx_t* cu_seq, const idx_t* cu_seg, const 
                              cross, lam_critic, params);
 }
 
-// An independent recurrence: segments lo..hi walked from hi down; only hi has reset = 1.
+// An independent recurrence: segments lo..hi walked from hi down; only hi has reset = 1. A piece of a long
+// chain (see `cut`) starts at `end` - 1 in hi and stops at `begin` in lo, from the carry (a0, ac0, v0).
 struct Chain {
   int64_t lo, hi;
   int64_t tokens = 0;  // set once the chain is complete
+  int64_t begin = -1, end = -1;  // token bounds in lo and hi; -1: the whole segment
+  double a0 = 0.0, ac0 = 0.0, v0 = 0.0;
+  int64_t id = -1;  // >= 0: the state at its first token goes to ChainScan::finals[id]
 };
 
 // The SIMD paths, chosen per call: COMPACTIONRL_FAST_CPU_SIMD = auto (default: the widest the CPU has),
@@ -141,13 +147,14 @@ struct ChainScan {
   bool own_critic;
   float *adv, *ret;
   Simd simd;
+  crf::GaeState* finals;  // pass 1 of long chains (see `cut`): the state each piece leaves at its first token
 
   int64_t first(int64_t s) const { return start ? start[s] : (int64_t)cu[s]; }
   int64_t len(int64_t s) const { return (int64_t)cu[s + 1] - (int64_t)cu[s]; }
 
   // One lane: its chain's segment s (>= lo), token p going down to b, the segment's numbers and the carries.
   struct Lane {
-    int64_t s, lo, p, b;
+    int64_t s, lo, hi, p, b, begin, end, id;
     double gl, glc, scale, a, ac, vn;
   };
 
@@ -157,13 +164,22 @@ struct ChainScan {
     if (l.s < l.lo) return false;
     l.b = first(l.s);
     l.p = l.b + len(l.s) - 1;
+    if (l.s == l.lo && l.begin >= 0) l.b = l.begin;
+    if (l.s == l.hi && l.end >= 0) l.p = l.end - 1;
     l.gl = P[l.s].gl, l.glc = own_critic ? P[l.s].glc : P[l.s].gl, l.scale = P[l.s].scale;
     return true;
   }
 
   bool start_chain(Lane& l, const Chain& c) const {
-    l.s = c.hi, l.lo = c.lo, l.a = l.ac = l.vn = 0.0;
-    return enter(l);
+    l.s = l.hi = c.hi, l.lo = c.lo, l.begin = c.begin, l.end = c.end, l.id = c.id;
+    l.a = c.a0, l.ac = c.ac0, l.vn = c.v0;
+    if (enter(l)) return true;
+    done(l);
+    return false;
+  }
+
+  void done(const Lane& l) const {
+    if (l.id >= 0) finals[l.id] = crf::GaeState{l.a, l.vn, l.ac};
   }
 
   // The rest of one lane's chain on its own (the batch's last chains, or a single long one).
@@ -175,6 +191,7 @@ struct ChainScan {
       l.a = a, l.ac = ac, l.vn = vn;
       --l.s;
     } while (enter(l));
+    done(l);
   }
   CRF_FMA void finish_fma(Lane& l) const { finish_body(l); }
   void finish(Lane& l) const { simd == kScalar ? finish_body(l) : finish_fma(l); }
@@ -199,7 +216,7 @@ struct ChainScan {
   // that one __m256d holds one step of the 4 lanes; results are transposed back and stored. Returns the steps
   // done (a multiple of 4).
   CRF_FMA int64_t lockstep_avx2(double* a_, double* ac_, double* vn_, const double* gl_, const double* glc_,
-                                const double* sc_, const int64_t* p, int64_t steps) const {
+                                const double* sc_, const int64_t* p, int64_t steps, int live) const {
     __m256d a = _mm256_loadu_pd(a_), ac = _mm256_loadu_pd(ac_), vn = _mm256_loadu_pd(vn_);
     const __m256d gl = _mm256_loadu_pd(gl_), glc = _mm256_loadu_pd(glc_), sc = _mm256_loadu_pd(sc_);
     const __m256d g = _mm256_set1_pd(gamma), zero_d = _mm256_setzero_pd();
@@ -238,7 +255,7 @@ struct ChainScan {
       }
       _MM_TRANSPOSE4_PS(oa[0], oa[1], oa[2], oa[3]);  // back to rows: lane k's 4 tokens
       _MM_TRANSPOSE4_PS(orr[0], orr[1], orr[2], orr[3]);
-      for (int k = 0; k < 4; ++k) {
+      for (int k = 0; k < live; ++k) {
         _mm_storeu_ps(adv + p[k] - i - 3, oa[k]);
         _mm_storeu_ps(ret + p[k] - i - 3, orr[k]);
       }
@@ -264,7 +281,7 @@ struct ChainScan {
   // OWN: the returns have their own recurrence (lam_critic); without it they are advantages + values.
   template <bool OWN>
   CRF_AVX512 int64_t lockstep_avx512(double* a_, double* ac_, double* vn_, const double* gl_, const double* glc_,
-                                     const double* sc_, const int64_t* p, int64_t steps) const {
+                                     const double* sc_, const int64_t* p, int64_t steps, int live) const {
     __m512d a = _mm512_loadu_pd(a_), ac = _mm512_loadu_pd(ac_), vn = _mm512_loadu_pd(vn_);
     const __m512d gl = _mm512_loadu_pd(gl_), glc = _mm512_loadu_pd(glc_), sc = _mm512_loadu_pd(sc_);
     const __m512d g = _mm512_set1_pd(gamma);
@@ -293,7 +310,7 @@ struct ChainScan {
       }
       transpose8(oa);  // back to rows: lane k's 8 tokens
       transpose8(orr);
-      for (int k = 0; k < 8; ++k) {
+      for (int k = 0; k < live; ++k) {
         _mm256_storeu_ps(adv + p[k] - i - 7, oa[k]);
         _mm256_storeu_ps(ret + p[k] - i - 7, orr[k]);
       }
@@ -302,17 +319,20 @@ struct ChainScan {
     return i;
   }
 
-  void lockstep(Lane* lane, int n, int64_t steps) const {
+  // `n` live lanes (2 <= n <= lanes) for `steps` tokens each. A vector path always computes all its lanes: the
+  // lanes past n repeat lane 0's loads and store nothing.
+  void lockstep(Lane* lane, int n, int lanes, int64_t steps) const {
     double a[kMaxLanes], ac[kMaxLanes], vn[kMaxLanes], gl[kMaxLanes], glc[kMaxLanes], sc[kMaxLanes];
     int64_t p[kMaxLanes];
-    for (int k = 0; k < n; ++k)
-      a[k] = lane[k].a, ac[k] = lane[k].ac, vn[k] = lane[k].vn, gl[k] = lane[k].gl, glc[k] = lane[k].glc,
-      sc[k] = lane[k].scale, p[k] = lane[k].p;
+    for (int k = 0; k < lanes; ++k) {
+      const Lane& l = lane[k < n ? k : 0];
+      a[k] = l.a, ac[k] = l.ac, vn[k] = l.vn, gl[k] = l.gl, glc[k] = l.glc, sc[k] = l.scale, p[k] = l.p;
+    }
     int64_t done = 0;
     if (simd == kAvx512)
-      done = own_critic ? lockstep_avx512<true>(a, ac, vn, gl, glc, sc, p, steps)
-                        : lockstep_avx512<false>(a, ac, vn, gl, glc, sc, p, steps);
-    else if (simd == kAvx2) done = lockstep_avx2(a, ac, vn, gl, glc, sc, p, steps);
+      done = own_critic ? lockstep_avx512<true>(a, ac, vn, gl, glc, sc, p, steps, n)
+                        : lockstep_avx512<false>(a, ac, vn, gl, glc, sc, p, steps, n);
+    else if (simd == kAvx2) done = lockstep_avx2(a, ac, vn, gl, glc, sc, p, steps, n);
     if (simd == kScalar) lockstep_body(n, a, ac, vn, gl, glc, sc, p, done, steps);
     else lockstep_fma(n, a, ac, vn, gl, glc, sc, p, done, steps);
     for (int k = 0; k < n; ++k) lane[k].a = a[k], lane[k].ac = ac[k], lane[k].vn = vn[k], lane[k].p = p[k] - steps;
@@ -320,7 +340,7 @@ struct ChainScan {
 
   void run(const Chain* chains_in, int64_t n) const {
     const int lanes = simd == kAvx512 ? 8 : 4;
-    // longest first: when the queue runs dry, the lanes still busy hold short chains, which finish one by one
+    // longest first: when the queue runs dry, the lanes still busy hold the shortest chains
     std::vector<Chain> chains(chains_in, chains_in + n);
     std::stable_sort(chains.begin(), chains.end(), [](const Chain& x, const Chain& y) { return x.tokens > y.tokens; });
     Lane lane[kMaxLanes];
@@ -328,29 +348,143 @@ struct ChainScan {
     int live = 0;
     for (; live < lanes && next < n;)
       if (start_chain(lane[live], chains[next++])) ++live;
-    while (live == lanes) {
+    // lanes in lockstep while two or more are busy (one alone is faster on its own: no transposes)
+    while (live >= 2) {
       int64_t steps = lane[0].p - lane[0].b + 1;
-      for (int k = 1; k < lanes; ++k) steps = std::min(steps, lane[k].p - lane[k].b + 1);
-      lockstep(lane, lanes, steps);
-      for (int k = 0; k < lanes && live == lanes; ++k) {
-        if (lane[k].p >= lane[k].b) continue;
+      for (int k = 1; k < live; ++k) steps = std::min(steps, lane[k].p - lane[k].b + 1);
+      lockstep(lane, live, lanes, steps);
+      for (int k = 0; k < live;) {
+        if (lane[k].p >= lane[k].b) {
+          ++k;
+          continue;
+        }
         --lane[k].s;
         if (enter(lane[k])) continue;
+        done(lane[k]);
         bool refilled = false;
         while (!refilled && next < n) refilled = start_chain(lane[k], chains[next++]);
-        if (!refilled) {  // the queue is empty: this lane is done, the others finish one by one
-          lane[k] = lane[lanes - 1];
-          --live;
-        }
+        if (!refilled) lane[k] = lane[--live];  // the queue is empty: the last lane moves here
       }
     }
-    for (int k = 0; k < live; ++k) finish(lane[k]);  // the tail: the lanes' rest, then any chains left
+    for (int k = 0; k < live; ++k) finish(lane[k]);
     for (; next < n; ++next) {
       Lane l;
       if (start_chain(l, chains[next])) finish(l);
     }
   }
 };
+
+// Runs `list` on the threads: ranges of chains of about equal token counts, one per task (~32K tokens at least:
+// waking a pool thread costs more than scanning a small batch, and on a loaded machine a scheduler time slice).
+template <typename idx_t>
+void run_parallel(const ChainScan<idx_t>& scan, const std::vector<Chain>& list) {
+  std::vector<int64_t> acc(1, 0);  // prefix sums of the chains' lengths
+  for (const Chain& c : list) acc.push_back(acc.back() + c.tokens);
+  const int64_t n = (int64_t)list.size(), total = acc.back();
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / 32768));
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      auto at_share = [&](int64_t j) {
+        return (int64_t)(std::lower_bound(acc.begin(), acc.end(), total * j / tasks) - acc.begin());
+      };
+      const int64_t c0 = std::min(at_share(k), n), c1 = k + 1 == tasks ? n : std::min(at_share(k + 1), n);
+      if (c1 > c0) scan.run(list.data() + c0, c1 - c0);
+    }
+  });
+}
+
+// Long chains, cut into pieces. A chain of more than a sixteenth of the batch's tokens (and more than 32K) would
+// leave the lanes idle while one lane walks it one dependent step at a time, so it is cut into pieces of about
+// max(T/16, 16K) tokens. Pass 1 (`first`) runs every piece but a chain's earliest from a zero carry and keeps
+// the state at its first token; with the products of gamma*lam over each piece's trainable tokens these give
+// every piece's carry (`carry_pieces`, float64). Pass 2 (`second`) runs the chains left whole and every piece
+// but a chain's last (pass 1 ran that one from its true, zero, carry). The cut depends only on the layout, so
+// the result does not depend on the thread count or the vector width.
+struct Cut {
+  std::vector<Chain> first, second;
+  // per cut chain and piece k (earliest first): its index in `first` (-1 for k = 0) and in `second` (-1 for the last)
+  std::vector<std::vector<int64_t>> pieces, in_second;
+};
+
+template <typename idx_t>
+Cut cut_long_chains(const ChainScan<idx_t>& scan, const std::vector<Chain>& chains, int64_t T) {
+  Cut cut;
+  const int64_t piece = std::max<int64_t>(16384, T / 16);
+  for (const Chain& c : chains) {
+    if (c.tokens <= 2 * piece) {
+      cut.second.push_back(c);
+      continue;
+    }
+    const int64_t m = (c.tokens + piece - 1) / piece;
+    // chain offset o (tokens of segments lo.. in order) -> (segment, position); cuts fall on tokens, so every
+    // piece's first and last segment hold some of its tokens
+    std::vector<int64_t> seg(m + 1), pos(m + 1);
+    int64_t s = c.lo, before = 0;  // tokens of the chain before segment s
+    for (int64_t k = 0; k < m; ++k) {
+      const int64_t o = c.tokens * k / m;
+      while (before + scan.len(s) <= o) before += scan.len(s++);
+      seg[k] = s, pos[k] = scan.first(s) + (o - before);
+    }
+    std::vector<int64_t> ids(m, -1), in_second(m, -1);
+    for (int64_t k = 0; k < m; ++k) {
+      Chain p{seg[k], c.hi, c.tokens * (k + 1) / m - c.tokens * k / m};
+      p.begin = pos[k];
+      if (k + 1 < m) {  // ends before the next piece's first token, in that token's segment or the one before
+        const int64_t last = c.tokens * (k + 1) / m - 1;
+        int64_t t = c.lo, b = 0;
+        while (b + scan.len(t) <= last) b += scan.len(t++);
+        p.hi = t, p.end = scan.first(t) + (last - b) + 1;
+      }
+      if (k > 0) {
+        p.id = (int64_t)cut.first.size(), ids[k] = p.id;
+        cut.first.push_back(p);
+        p.id = -1;
+      }
+      if (k + 1 < m) in_second[k] = (int64_t)cut.second.size(), cut.second.push_back(p);
+    }
+    cut.pieces.push_back(ids);
+    cut.in_second.push_back(in_second);
+  }
+  return cut;
+}
+
+// Each piece's carry, from the chain's end backwards: the state entering piece k (from the later side) through
+// piece k's map gives the state entering piece k-1. The map: the products of gamma*lam (critic: gamma*lam_critic)
+// over the piece's trainable tokens (xa; ya: gamma times all but the latest one's, where the carried value enters;
+// crf::power_count per segment, float64), and pass 1's state from a zero carry.
+template <typename idx_t>
+void carry_pieces(const ChainScan<idx_t>& scan, Cut& cut, const std::vector<crf::GaeState>& finals) {
+  for (size_t j = 0; j < cut.pieces.size(); ++j) {
+    const std::vector<int64_t>& ids = cut.pieces[j];
+    crf::GaeState carry{0.0, 0.0, 0.0};
+    for (size_t k = ids.size() - 1; k >= 1; --k) {
+      const Chain& p = cut.first[ids[k]];
+      int64_t latest = -1;
+      std::vector<int64_t> n(p.hi - p.lo + 1);
+      for (int64_t s = p.lo; s <= p.hi; ++s) {
+        int64_t b = scan.first(s), e = b + scan.len(s);
+        if (s == p.lo) b = p.begin;
+        if (s == p.hi && p.end >= 0) e = p.end;
+        int64_t c = 0;
+        for (int64_t t = b; t < e; ++t) c += scan.mask[t];
+        if ((n[s - p.lo] = c)) latest = s;
+      }
+      double xa = 1.0, ya = scan.gamma, xc = 1.0, yc = scan.gamma;
+      for (int64_t s = p.lo; s <= p.hi; ++s) {
+        const double gl = scan.P[s].gl, glc = scan.own_critic ? scan.P[s].glc : gl;
+        const int64_t ns = n[s - p.lo], ny = ns - (s == latest);
+        xa *= crf::power_count(gl, ns), ya *= crf::power_count(gl, ny);
+        xc *= crf::power_count(glc, ns), yc *= crf::power_count(glc, ny);
+      }
+      const crf::GaeState& f = finals[ids[k]];
+      const bool any = latest >= 0;
+      carry = crf::GaeState{xa * carry.a + (any ? ya * carry.v : 0.0) + f.a, any ? f.v : carry.v,
+                            xc * carry.ac + (any ? yc * carry.v : 0.0) + f.ac};
+      Chain& q = cut.second[cut.in_second[j][k - 1]];
+      q.a0 = carry.a, q.ac0 = carry.ac, q.v0 = carry.v;
+    }
+  }
+}
 
 // Offsets are checked here too (O(S + R)), since the op can be called without the Python checks (directly,
 // or under torch.compile): a bad layout is a ValueError, never an out-of-bounds access.
@@ -455,29 +589,21 @@ std::tuple<at::Tensor, at::Tensor> segment_gae_cpu(const at::Tensor& rewards, co
                                  counts.data(), params.data());
     });
     std::vector<Chain> chains;  // each starts (from the end) at a segment with reset = 1
-    std::vector<int64_t> chain_tokens(1, 0);  // prefix sums of the chains' lengths, for the split
     for (int64_t s = S - 1; s >= 0; --s) {
       if (params[s].reset != 0.0 || chains.empty()) chains.push_back({s, s, 0});
       else chains.back().lo = s;
     }
-    for (Chain& c : chains) {
-      c.tokens = (int64_t)cu_seq[c.hi + 1] - (int64_t)cu_seq[c.lo];
-      chain_tokens.push_back(chain_tokens.back() + c.tokens);
-    }
-    const ChainScan<index_t> scan{cu_seq, pst, params.data(), rew.data_ptr<float>(), val.data_ptr<float>(), pm,
-                                  gamma, lam_critic >= 0.0, adv.data_ptr<float>(), ret.data_ptr<float>(), simd_path()};
-    const int64_t n = (int64_t)chains.size();
-    const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), T / 32768));
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t k = begin; k < end; ++k) {  // chains split into `tasks` ranges of about equal tokens
-        auto at_share = [&](int64_t j) {
-          return (int64_t)(std::lower_bound(chain_tokens.begin(), chain_tokens.end(), T * j / tasks) -
-                           chain_tokens.begin());
-        };
-        const int64_t c0 = std::min(at_share(k), n), c1 = k + 1 == tasks ? n : std::min(at_share(k + 1), n);
-        if (c1 > c0) scan.run(chains.data() + c0, c1 - c0);
-      }
-    });
+    for (Chain& c : chains) c.tokens = (int64_t)cu_seq[c.hi + 1] - (int64_t)cu_seq[c.lo];
+    ChainScan<index_t> scan{cu_seq, pst, params.data(), rew.data_ptr<float>(), val.data_ptr<float>(), pm,
+                            gamma, lam_critic >= 0.0, adv.data_ptr<float>(), ret.data_ptr<float>(), simd_path(),
+                            nullptr};
+    Cut cut = cut_long_chains(scan, chains, T);
+    if (cut.first.empty()) return run_parallel(scan, chains);
+    std::vector<crf::GaeState> finals(cut.first.size());
+    scan.finals = finals.data();
+    run_parallel(scan, cut.first);
+    carry_pieces(scan, cut, finals);
+    run_parallel(scan, cut.second);
   });
   return {adv, ret};
 }

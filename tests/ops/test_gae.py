@@ -695,6 +695,55 @@ def test_cpu_simd_paths_give_the_same_bits(seed, monkeypatch):
         _check_backend("cpp", b, **kw)
 
 
+# one rollout far longer than the rest: its chain (a segment, or the whole rollout when stitched) is cut into
+# pieces of max(16K, T/16) tokens when longer than twice that, cuts falling inside and between segments
+LONG_CHAIN = [[(30000, "rand"), (0, "all"), (25001, "rand"), (5, "none"), (20000, "rand")]] + \
+    [[(1 + (7 * i) % 90, "rand")] for i in range(40)] + [[(70001, "rand")], [(3, "all"), (40, "rand")]]
+
+
+@pytest.mark.skipif("cpp" not in BACKENDS, reason="the C++ extension is not built")
+def test_cpu_long_chains_cut_into_pieces(monkeypatch):
+    """Chains longer than 2 x max(16K, T/16) tokens are scanned in pieces whose carries come from their maps:
+    the accuracy rule on every mode, adaptive and per-segment lambda, the critic's own lambda, placed segments;
+    the same bits on every vector path and thread count (the cut depends on the layout only); a NaN value in a
+    later piece reaches exactly the earlier tokens the one-rollout-at-a-time scan gives NaN."""
+    b = packed_batch(LONG_CHAIN, seed=11, index_dtype=torch.int64)
+    S = b["cu_seqlens"].numel() - 1
+    kws = [dict(cross_segment=m) for m in MODES]  # the paper's defaults: adaptive lambda, lam_critic = 1
+    kws += [dict(gamma=0.99, lam=torch.rand(S, generator=torch.Generator().manual_seed(1)) * 0.01 + 0.99,
+                 cross_segment="stitched", lam_critic=None),
+            dict(gamma=1.0, lam=0.0, cross_segment="stitched", lam_critic=0.5)]
+    for kw in kws:
+        _check_backend("cpp", b, **kw)
+        outs = []
+        for simd, threads in [("auto", 1), ("avx2", 1), ("none", 1), ("auto", 2)]:
+            monkeypatch.setenv("COMPACTIONRL_FAST_CPU_SIMD", simd)
+            prev = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                outs.append(crf.segment_gae(**b, backend="cpp", **kw))
+            finally:
+                torch.set_num_threads(prev)
+        for o in outs[1:]:
+            assert torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1]), kw
+    monkeypatch.delenv("COMPACTIONRL_FAST_CPU_SIMD")
+    rew, val, mask, start, where = _placed(b, 2)
+    got = crf.segment_gae(rew, val, mask, b["cu_seqlens"], b["cu_segments"], seg_start=start,
+                          cross_segment="stitched", backend="cpp")
+    want = crf.segment_gae(**b, cross_segment="stitched", backend="cpp")
+    assert torch.equal(got[0][where], want[0]) and torch.equal(got[1][where], want[1])
+    values = b["values"].clone()
+    values[60000] = float("nan")  # in the stitched rollout's last segment, a later piece than most of it
+    serial = torch.ops.compactionrl_fast.segment_gae_serial
+    for cross in (1, 2):  # paper, stitched
+        args = (b["rewards"], values, b["loss_mask"], b["cu_seqlens"], b["cu_segments"], None, 0.999, 0.99, 0, 1.5,
+                cross, 1.0, None)
+        got, want = torch.ops.compactionrl_fast.segment_gae(*args), serial(*args)
+        for g, w in zip(got, want):
+            assert torch.equal(g.isnan(), w.isnan()), cross
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 @pytest.mark.skipif("cpp" not in BACKENDS, reason="the C++ extension is not built")
 def test_cpu_simd_setting_is_checked(monkeypatch):
     monkeypatch.setenv("COMPACTIONRL_FAST_CPU_SIMD", "sse9")

@@ -216,7 +216,7 @@ struct ChainScan {
   // that one __m256d holds one step of the 4 lanes; results are transposed back and stored. Returns the steps
   // done (a multiple of 4).
   CRF_FMA int64_t lockstep_avx2(double* a_, double* ac_, double* vn_, const double* gl_, const double* glc_,
-                                const double* sc_, const int64_t* p, int64_t steps, int live) const {
+                                const double* sc_, const int64_t* p, int64_t steps) const {
     __m256d a = _mm256_loadu_pd(a_), ac = _mm256_loadu_pd(ac_), vn = _mm256_loadu_pd(vn_);
     const __m256d gl = _mm256_loadu_pd(gl_), glc = _mm256_loadu_pd(glc_), sc = _mm256_loadu_pd(sc_);
     const __m256d g = _mm256_set1_pd(gamma), zero_d = _mm256_setzero_pd();
@@ -255,7 +255,7 @@ struct ChainScan {
       }
       _MM_TRANSPOSE4_PS(oa[0], oa[1], oa[2], oa[3]);  // back to rows: lane k's 4 tokens
       _MM_TRANSPOSE4_PS(orr[0], orr[1], orr[2], orr[3]);
-      for (int k = 0; k < live; ++k) {
+      for (int k = 0; k < 4; ++k) {
         _mm_storeu_ps(adv + p[k] - i - 3, oa[k]);
         _mm_storeu_ps(ret + p[k] - i - 3, orr[k]);
       }
@@ -281,7 +281,7 @@ struct ChainScan {
   // OWN: the returns have their own recurrence (lam_critic); without it they are advantages + values.
   template <bool OWN>
   CRF_AVX512 int64_t lockstep_avx512(double* a_, double* ac_, double* vn_, const double* gl_, const double* glc_,
-                                     const double* sc_, const int64_t* p, int64_t steps, int live) const {
+                                     const double* sc_, const int64_t* p, int64_t steps) const {
     __m512d a = _mm512_loadu_pd(a_), ac = _mm512_loadu_pd(ac_), vn = _mm512_loadu_pd(vn_);
     const __m512d gl = _mm512_loadu_pd(gl_), glc = _mm512_loadu_pd(glc_), sc = _mm512_loadu_pd(sc_);
     const __m512d g = _mm512_set1_pd(gamma);
@@ -310,7 +310,7 @@ struct ChainScan {
       }
       transpose8(oa);  // back to rows: lane k's 8 tokens
       transpose8(orr);
-      for (int k = 0; k < live; ++k) {
+      for (int k = 0; k < 8; ++k) {
         _mm256_storeu_ps(adv + p[k] - i - 7, oa[k]);
         _mm256_storeu_ps(ret + p[k] - i - 7, orr[k]);
       }
@@ -320,7 +320,7 @@ struct ChainScan {
   }
 
   // `n` live lanes (2 <= n <= lanes) for `steps` tokens each. A vector path always computes all its lanes: the
-  // lanes past n repeat lane 0's loads and store nothing.
+  // lanes past n repeat lane 0 exactly (its tokens, carries and numbers), so they store lane 0's bytes again.
   void lockstep(Lane* lane, int n, int lanes, int64_t steps) const {
     double a[kMaxLanes], ac[kMaxLanes], vn[kMaxLanes], gl[kMaxLanes], glc[kMaxLanes], sc[kMaxLanes];
     int64_t p[kMaxLanes];
@@ -330,9 +330,9 @@ struct ChainScan {
     }
     int64_t done = 0;
     if (simd == kAvx512)
-      done = own_critic ? lockstep_avx512<true>(a, ac, vn, gl, glc, sc, p, steps, n)
-                        : lockstep_avx512<false>(a, ac, vn, gl, glc, sc, p, steps, n);
-    else if (simd == kAvx2) done = lockstep_avx2(a, ac, vn, gl, glc, sc, p, steps, n);
+      done = own_critic ? lockstep_avx512<true>(a, ac, vn, gl, glc, sc, p, steps)
+                        : lockstep_avx512<false>(a, ac, vn, gl, glc, sc, p, steps);
+    else if (simd == kAvx2) done = lockstep_avx2(a, ac, vn, gl, glc, sc, p, steps);
     if (simd == kScalar) lockstep_body(n, a, ac, vn, gl, glc, sc, p, done, steps);
     else lockstep_fma(n, a, ac, vn, gl, glc, sc, p, done, steps);
     for (int k = 0; k < n; ++k) lane[k].a = a[k], lane[k].ac = ac[k], lane[k].vn = vn[k], lane[k].p = p[k] - steps;

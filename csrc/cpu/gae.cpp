@@ -90,7 +90,7 @@ void rollout_numbers(int64_t r, const idx_t* cu_seq, const idx_t* cu_seg, const 
 }
 
 // An independent recurrence: segments lo..hi walked from hi down; only hi has reset = 1. A piece of a long
-// chain (see `cut`) starts at `end` - 1 in hi and stops at `begin` in lo, from the carry (a0, ac0, v0).
+// chain (`cut_long_chains`) starts at `end` - 1 in hi and stops at `begin` in lo, from the carry (a0, ac0, v0).
 struct Chain {
   int64_t lo, hi;
   int64_t tokens = 0;  // set once the chain is complete
@@ -147,7 +147,7 @@ struct ChainScan {
   bool own_critic;
   float *adv, *ret;
   Simd simd;
-  crf::GaeState* finals;  // pass 1 of long chains (see `cut`): the state each piece leaves at its first token
+  crf::GaeState* finals;  // pass 1 of `cut_long_chains`: the state each piece leaves at its first token
 
   int64_t first(int64_t s) const { return start ? start[s] : (int64_t)cu[s]; }
   int64_t len(int64_t s) const { return (int64_t)cu[s + 1] - (int64_t)cu[s]; }
@@ -393,9 +393,8 @@ void run_parallel(const ChainScan<idx_t>& scan, const std::vector<Chain>& list) 
   });
 }
 
-// Long chains, cut into pieces. A chain of more than a sixteenth of the batch's tokens (and more than 32K) would
-// leave the lanes idle while one lane walks it one dependent step at a time, so it is cut into pieces of about
-// max(T/16, 16K) tokens. Pass 1 (`first`) runs every piece but a chain's earliest from a zero carry and keeps
+// Long chains, cut into pieces. A chain of more than max(32K, T/8) tokens would leave the lanes idle while one
+// lane walks it one dependent step at a time, so it is cut into pieces of about max(16K, T/16) tokens. Pass 1 (`first`) runs every piece but a chain's earliest from a zero carry and keeps
 // the state at its first token; with the products of gamma*lam over each piece's trainable tokens these give
 // every piece's carry (`carry_pieces`, float64). Pass 2 (`second`) runs the chains left whole and every piece
 // but a chain's last (pass 1 ran that one from its true, zero, carry). The cut depends only on the layout, so

@@ -239,7 +239,6 @@ def _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, gl_ptr, glc_ptr
                 (b_xa, b_ya, b_pa, b_z, b_q, b_xc, b_ya, b_pa, b_f), 0, _compose)
         else:
             b_xa, b_ya, b_pa, b_z, b_q, b_f = tl.associative_scan((b_xa, b_ya, b_pa, b_z, b_q, b_f), 0, _compose_adv)
-            b_xc, b_yc, b_pc = b_xa, b_ya, b_pa
         # the block's map (last lane), float64 from here on
         g_xa, g_ya, g_pa = tl.gather(b_xa, i_last, 0).to(ACC), tl.gather(b_ya, i_last, 0).to(ACC), tl.gather(
             b_pa, i_last, 0).to(ACC)

@@ -158,14 +158,18 @@ struct ChainScan {
     double gl, glc, scale, a, ac, vn;
   };
 
+  // The tokens [b, e) of segment s in a chain (or piece) lo..hi whose bounds in lo and hi are begin, end (-1: none).
+  std::pair<int64_t, int64_t> span(int64_t s, int64_t lo, int64_t hi, int64_t begin, int64_t end) const {
+    const int64_t b = first(s);
+    return {s == lo && begin >= 0 ? begin : b, s == hi && end >= 0 ? end : b + len(s)};
+  }
+
   // Move `l` to the next non-empty segment at or below l.s; false when the chain is done.
   bool enter(Lane& l) const {
     while (l.s >= l.lo && len(l.s) == 0) --l.s;
     if (l.s < l.lo) return false;
-    l.b = first(l.s);
-    l.p = l.b + len(l.s) - 1;
-    if (l.s == l.lo && l.begin >= 0) l.b = l.begin;
-    if (l.s == l.hi && l.end >= 0) l.p = l.end - 1;
+    const auto [b, e] = span(l.s, l.lo, l.hi, l.begin, l.end);
+    l.b = b, l.p = e - 1;
     l.gl = P[l.s].gl, l.glc = own_critic ? P[l.s].glc : P[l.s].gl, l.scale = P[l.s].scale;
     return true;
   }
@@ -415,24 +419,22 @@ Cut cut_long_chains(const ChainScan<idx_t>& scan, const std::vector<Chain>& chai
       continue;
     }
     const int64_t m = (c.tokens + piece - 1) / piece;
-    // chain offset o (tokens of segments lo.. in order) -> (segment, position); cuts fall on tokens, so every
-    // piece's first and last segment hold some of its tokens
-    std::vector<int64_t> seg(m + 1), pos(m + 1);
+    // chain offset o (tokens of segments lo.. in order) -> its segment and position, for increasing o; cuts
+    // fall on tokens, so every piece's first and last segment hold some of its tokens
     int64_t s = c.lo, before = 0;  // tokens of the chain before segment s
-    for (int64_t k = 0; k < m; ++k) {
-      const int64_t o = c.tokens * k / m;
+    auto locate = [&](int64_t o) {
       while (before + scan.len(s) <= o) before += scan.len(s++);
-      seg[k] = s, pos[k] = scan.first(s) + (o - before);
-    }
+      return std::pair<int64_t, int64_t>{s, scan.first(s) + (o - before)};
+    };
     std::vector<int64_t> ids(m, -1), in_second(m, -1);
     for (int64_t k = 0; k < m; ++k) {
-      Chain p{seg[k], c.hi, c.tokens * (k + 1) / m - c.tokens * k / m};
-      p.begin = pos[k];
-      if (k + 1 < m) {  // ends before the next piece's first token, in that token's segment or the one before
-        const int64_t last = c.tokens * (k + 1) / m - 1;
-        int64_t t = c.lo, b = 0;
-        while (b + scan.len(t) <= last) b += scan.len(t++);
-        p.hi = t, p.end = scan.first(t) + (last - b) + 1;
+      const int64_t o0 = c.tokens * k / m, o1 = c.tokens * (k + 1) / m;
+      const auto [s0, b0] = locate(o0);
+      Chain p{s0, c.hi, o1 - o0};
+      p.begin = b0;
+      if (k + 1 < m) {  // ends after its last token
+        const auto [s1, b1] = locate(o1 - 1);
+        p.hi = s1, p.end = b1 + 1;
       }
       if (k > 0) {
         p.id = (int64_t)cut.first.size(), ids[k] = p.id;
@@ -461,9 +463,7 @@ void carry_pieces(const ChainScan<idx_t>& scan, Cut& cut, const std::vector<crf:
       int64_t latest = -1;
       std::vector<int64_t> n(p.hi - p.lo + 1);
       for (int64_t s = p.lo; s <= p.hi; ++s) {
-        int64_t b = scan.first(s), e = b + scan.len(s);
-        if (s == p.lo) b = p.begin;
-        if (s == p.hi && p.end >= 0) e = p.end;
+        const auto [b, e] = scan.span(s, p.lo, p.hi, p.begin, p.end);
         int64_t c = 0;
         for (int64_t t = b; t < e; ++t) c += scan.mask[t];
         if ((n[s - p.lo] = c)) latest = s;

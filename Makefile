@@ -6,7 +6,7 @@ PIP_DEPS = torch==2.13.0 triton numpy pytest pytest-benchmark transformers token
 CONSTRAINTS ?= constraints.txt
 PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: install build test ctest bench bench-quick bench-rollout test-integrations check-cuda-build demo clean mutate
+.PHONY: install build test ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-rollout test-integrations check-cuda-build demo clean mutate
 
 install:            ## venv, dependencies (versions from constraints.txt), and the C++ extension; about 8 min
 	@echo "==> [1/4] virtual environment .venv"
@@ -30,6 +30,22 @@ ctest:              ## the C++ tests through CMake
 	cmake -S . -B build/cmake -DCMAKE_PREFIX_PATH="$$($(PY) -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null
 	cmake --build build/cmake -j2
 	ctest --test-dir build/cmake --output-on-failure
+
+# The Triton versions GPU machines run: 3.6.0 (with torch 2.11), 3.7.1 (with torch 2.13's CUDA build). Each goes
+# into build/triton-<v> (--no-deps; ~700 MB) and compiles every kernel for sm_80/sm_90 with its own ptxas.
+AOT_TRITONS = 3.6.0 3.7.1
+
+aot-tritons:        ## the AOT compile test (sm_80/sm_90, no spills) with each Triton of AOT_TRITONS too (about 2 min)
+	@for v in $(AOT_TRITONS); do \
+	  d=build/triton-$$v; echo "==> triton $$v ($$d)"; \
+	  test -f $$d/.installed || { rm -rf $$d && $(PY) -m pip install -q --no-deps --target $$d triton==$$v && \
+	    touch $$d/.installed; } || exit 1; \
+	  PYTHONPATH=$$d $(PY) -c "import triton; assert triton.__version__ == '$$v', triton.__version__" || exit 1; \
+	  PYTHONPATH=$$d $(PY) -m pytest -q -p no:cacheprovider tests/test_aot.py -k triton || exit 1; \
+	done
+
+gpu-tests-on-cpu:   ## tests/test_cuda_backends.py (skipped without a GPU) on CPU tensors: cpp, Triton interpreted
+	CRF_KERNEL_TEST_DEVICE=cpu $(PY) -m pytest -q -p no:cacheprovider tests/test_cuda_backends.py
 
 bench:              ## every op's benchmark against its reference, table + JSON in benchmarks/results/
 	$(PY) -m benchmarks

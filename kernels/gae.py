@@ -425,7 +425,6 @@ INTERPRET_BLOCK = 32768  # at most; the interpreter pays per operation, not per 
 CARRY_BLOCK = 128       # later chunks' maps per step of `_carry_in` (the first step usually meets a stop)
 PARAMS_BLOCK = 1024     # mask bytes per step of the per-rollout count
 LOOKBACK_TILE = 2048    # tokens per tile of the look-back plan (GPU)
-LOOKBACK_BLOCK = 128    # tokens per step inside a look-back tile (256: 128 registers and stack use on triton 3.7)
 NUM_WARPS = 4
 
 
@@ -464,7 +463,7 @@ _LOOKBACK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", mask_ptr="*i1", cu_ptr="*
                      S="i64", gl_ptr="*fp64", glc_ptr="*fp64", scale_ptr="*fp64", reset_ptr="*fp64", gamma_hi="fp32",
                      gamma_lo="fp32", ws_ptr="*i32", agg_ptr="*fp64", incl_ptr="*fp64", adv_ptr="*fp32",
                      ret_ptr="*fp32", n_tiles="i64", LOG_S="i32")
-AOT_SPECS += [("_gae_lookback_kernel", _LOOKBACK_SIG, {"TILE": LOOKBACK_TILE, "BLOCK": LOOKBACK_BLOCK, "OWN_CRITIC": own,
+AOT_SPECS += [("_gae_lookback_kernel", _LOOKBACK_SIG, {"TILE": LOOKBACK_TILE, "BLOCK": BLOCK, "OWN_CRITIC": own,
                                                        "HAS_START": start})
               for own, start in [(True, False), (False, False), (True, True)]]
 _CHUNK_CONSTS = dict(BLOCK=BLOCK, OWN_CRITIC=True, HAS_START=False, CARRY_BLOCK=CARRY_BLOCK)
@@ -474,7 +473,7 @@ AOT_SPECS += [  # a usual call as the JIT types it: int32 offsets, int32 sizes
     ("_gae_chunk_kernel", _small(dict(_offsets("i32"), **_CHUNK_SIG)), dict(_CHUNK_CONSTS, WRITE=False, CARRY=False)),
     ("_gae_chunk_kernel", _small(dict(_offsets("i32"), **_CHUNK_SIG)), dict(_CHUNK_CONSTS, WRITE=True, CARRY=True)),
     ("_gae_lookback_kernel", _small(dict(_LOOKBACK_SIG, cu_ptr="*i32")),
-     {"TILE": LOOKBACK_TILE, "BLOCK": LOOKBACK_BLOCK, "OWN_CRITIC": True, "HAS_START": False})]
+     {"TILE": LOOKBACK_TILE, "BLOCK": BLOCK, "OWN_CRITIC": True, "HAS_START": False})]
 
 
 @functools.lru_cache(maxsize=None)
@@ -567,7 +566,7 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
         incl = torch.empty(3, n_tiles, dtype=torch.float64, device=dev)
         _gae_lookback_kernel[(n_tiles,)](rewards, values, loss_mask, cu, start, T, S, *params.unbind(0),
                                          *_split(gamma), ws, agg, incl, adv, ret, n_tiles, log_s, TILE=tile,
-                                         BLOCK=min(LOOKBACK_BLOCK if dev.type == "cuda" else block, tile),
+                                         BLOCK=min(block, tile),
                                          OWN_CRITIC=own, HAS_START=seg_start is not None, num_warps=NUM_WARPS)
         return adv, ret
     chunk = _chunk_size(T, R, dev, chunk, block)

@@ -2,7 +2,8 @@
 machine with no GPU, and resource usage read from the cubins with cuobjdump.
 
 Each kernels/<op>.py module lists what to compile in `AOT_SPECS`: a list of
-(kernel name, signature dict, constexpr dict) as `triton.compiler.ASTSource` takes them.
+(kernel name, signature dict, constexpr dict) as `triton.compiler.ASTSource` takes them, and optionally
+a fourth item, the compile options its launcher passes (e.g. {"num_warps": 8}; default: Triton's).
 Triton runs in a subprocess with the interpreter off (the test process has it on).
 """
 from __future__ import annotations
@@ -23,10 +24,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 mod = importlib.import_module(sys.argv[1]); out = sys.argv[2]
 names = []
-for i, (kname, sig, consts) in enumerate(mod.AOT_SPECS):
+for i, (kname, sig, consts, *opts) in enumerate(mod.AOT_SPECS):
     fn = getattr(mod, kname)
     for cc in %s:
-        k = compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", cc, 32))
+        k = compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", cc, 32),
+                    options=opts[0] if opts else None)
         path = f"{out}/{kname}_{i}_sm{cc}.cubin"
         open(path, "wb").write(k.asm["cubin"])
         names.append([kname, i, cc, path, consts])

@@ -7,8 +7,8 @@ of the same combine function on whole arrays. `tl.associative_scan` requires an 
 function and a GPU evaluates it as a tree too, so only the rounding order changes; tests/ops/test_gae.py
 checks the result against the interpreter's own loop.
 
-Simple combine functions (arithmetic, `|`, `&`, `tl.where`, `tl.maximum`, `tl.minimum`) are evaluated
-on the numpy arrays directly; any other function goes through the interpreter's tensor semantics.
+Simple combine functions (arithmetic, `|`, `&`, `tl.where`, `tl.maximum`, `tl.minimum`, `tl.cast`) are
+evaluated on the numpy arrays directly; any other function goes through the interpreter's tensor semantics.
 """
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ class _NumpyLang:
     where = staticmethod(np.where)
     maximum = staticmethod(np.maximum)
     minimum = staticmethod(np.minimum)
+
+    @staticmethod
+    def cast(x, dtype):  # in a numpy combine, `dtype` is an operand's numpy dtype
+        return np.asarray(x).astype(dtype)
 
     def __getattr__(self, name):
         raise _Unsupported(name)

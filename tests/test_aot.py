@@ -18,14 +18,15 @@ CUDA_KERNEL_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*_kerne
 
 @pytest.mark.parametrize("module", TRITON_MODULES)
 def test_triton_kernels_compile_without_spills(module):
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
     rows = compile_triton_module(f"compactionrl_fast.kernels.{module}")
     assert rows, f"kernels/{module}.py has no AOT_SPECS"
     assert {r[2] for r in rows} == set(ARCHS)
     for kname, i, cc, consts, usage in rows:
         assert usage, f"{kname} sm_{cc}: no function in cubin"
         for fn, u in usage.items():
-            assert u.get("LOCAL", 0) == 0 and u.get("STACK", 0) == 0, f"{kname}{consts} sm_{cc} spills: {u}"
+            assert u.get("LOCAL", 0) == 0 and u.get("STACK", 0) == 0, \
+                f"{kname}{consts} sm_{cc} spills (triton {triton.__version__}): {u}"
             assert u["REG"] <= 255
 
 

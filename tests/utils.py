@@ -1,4 +1,5 @@
-"""Shared test helpers: random packed batches from shape tables, NaN poisoning, an op counter."""
+"""Shared test helpers: random packed batches from shape tables, NaN poisoning, an op counter, the accuracy rule
+of segment_gae."""
 from __future__ import annotations
 
 import collections
@@ -66,6 +67,28 @@ def packed_batch(case, *, seed: int = 0, index_dtype=torch.int32, device="cpu"):
     out = dict(rewards=rewards, values=values, loss_mask=mask,
                cu_seqlens=torch.tensor(seq, dtype=index_dtype), cu_segments=torch.tensor(segs, dtype=index_dtype))
     return {k: v.to(device) for k, v in out.items()}
+
+
+def check_gae_accuracy(adv, ret, inputs, label="", **kw):
+    """The accuracy rule of segment_gae (tests/ops/test_gae_accuracy.py): against the float64 reference on
+    `inputs` (the op's tensor arguments), each output's error is at most twice the float32 sequential loop's,
+    plus one float32 ulp of the op's largest output; positions outside the loss mask are 0.
+
+    One ulp of the largest of both outputs: a return is an advantage plus a value, so the advantage's float32
+    rounding reaches the return unchanged, however small the return (with a ulp of the largest return instead,
+    tiny batches fail on the order of operations alone, e.g. single-token segments where the loop's error is
+    0.03 ulp of the values by chance)."""
+    from compactionrl_fast.reference import gae as ref
+
+    cpu = {k: v.cpu() for k, v in inputs.items()}
+    want, loop = ref.segment_gae(**cpu, **kw), ref.segment_gae(**cpu, **kw, dtype=torch.float32)
+    rounding = max(w.abs().max().item() for w in want) * 2.0**-23
+    for name, got, w, lp in zip(("advantages", "returns"), (adv, ret), want, loop):
+        err, e32 = (got.cpu().double() - w).abs().max().item(), (lp - w).abs().max().item()
+        assert err <= 2 * e32 + rounding, \
+            f"{label} {name}: error {err:.3g} > 2 x float32 loop error {e32:.3g} + {rounding:.3g} ({kw})"
+    off = ~cpu["loss_mask"]
+    assert (adv.cpu()[off] == 0).all() and (ret.cpu()[off] == 0).all(), label
 
 
 class CountOps(TorchDispatchMode):

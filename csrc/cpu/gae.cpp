@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../common/alloc.h"
+#include "../common/count.h"
 #include "../common/gae_step.h"
 
 namespace {
@@ -29,10 +30,26 @@ namespace {
 using crf::GaeCarry;
 using crf::SegParams;
 
-// One rollout, segments [s0, s1): its per-segment numbers (crf::rollout_params, the counts first when a
-// mode needs them), then one reverse pass that reads only those numbers. Segment s holds the tokens
-// [b, b + len) with len = cu_seq[s+1] - cu_seq[s] and b = start[s] (segments placed anywhere, e.g. the rows
-// of a padded batch), or b = cu_seq[s] when start is null (packed).
+// The per-segment numbers of rollout r: counts (when a mode needs them), then crf::rollout_params.
+template <typename idx_t>
+void rollout_numbers(int64_t r, const idx_t* cu_seq, const idx_t* cu_seg, const int64_t* start, const bool* mask,
+                     const float* lam_seg, double gamma, double lam, int64_t lam_mode, double alpha, int64_t cross,
+                     double lam_critic, int64_t* counts, SegParams* params) {
+  const int64_t s0 = cu_seg[r], s1 = cu_seg[r + 1];
+  const bool need_counts = cross == crf::kCrossPaper || lam_mode == crf::kLamAdaptiveSegment ||
+                           lam_mode == crf::kLamAdaptiveRollout;
+  if (need_counts)
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t b = start ? start[s] : (int64_t)cu_seq[s], e = b + (cu_seq[s + 1] - cu_seq[s]);
+      counts[s] = crf::count_true(mask, b, e);
+    }
+  crf::rollout_params<idx_t>(s0, s1, cu_seq, need_counts ? counts : nullptr, lam_seg, gamma, lam, lam_mode, alpha,
+                             cross, lam_critic, params);
+}
+
+// One rollout, segments [s0, s1): its per-segment numbers (`rollout_numbers`), then one reverse pass that reads
+// only those numbers. Segment s holds the tokens [b, b + len) with len = cu_seq[s+1] - cu_seq[s] and
+// b = start[s] (segments placed anywhere, e.g. the rows of a padded batch), or b = cu_seq[s] when start is null.
 template <typename idx_t>
 void gae_rollout(int64_t r, const idx_t* cu_seq, const idx_t* cu_seg, const int64_t* start, const float* rew,
                  const float* val, const bool* mask, const float* lam_seg, double gamma, double lam,
@@ -40,16 +57,8 @@ void gae_rollout(int64_t r, const idx_t* cu_seq, const idx_t* cu_seg, const int6
                  SegParams* params, float* adv, float* ret) {
   const int64_t s0 = cu_seg[r], s1 = cu_seg[r + 1];
   auto first = [&](int64_t s) -> int64_t { return start ? start[s] : (int64_t)cu_seq[s]; };
-  const bool need_counts = cross == crf::kCrossPaper || lam_mode == crf::kLamAdaptiveSegment ||
-                           lam_mode == crf::kLamAdaptiveRollout;
-  if (need_counts)
-    for (int64_t s = s0; s < s1; ++s) {
-      int64_t n = 0;
-      for (int64_t t = first(s), e = t + (cu_seq[s + 1] - cu_seq[s]); t < e; ++t) n += mask[t];
-      counts[s] = n;
-    }
-  crf::rollout_params<idx_t>(s0, s1, cu_seq, need_counts ? counts : nullptr, lam_seg, gamma, lam, lam_mode, alpha,
-                             cross, lam_critic, params);
+  rollout_numbers<idx_t>(r, cu_seq, cu_seg, start, mask, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic,
+                         counts, params);
   const bool own_critic = lam_critic >= 0.0;
   GaeCarry c, cc;  // advantage and critic (returns) recurrences
   for (int64_t s = s1 - 1; s >= s0; --s) {
@@ -70,25 +79,6 @@ void gae_rollout(int64_t r, const idx_t* cu_seq, const idx_t* cu_seg, const int6
   }
 }
 
-// The per-segment numbers of rollout r: counts (when a mode needs them), then crf::rollout_params.
-template <typename idx_t>
-void rollout_numbers(int64_t r, const idx_t* cu_seq, const idx_t* cu_seg, const int64_t* start, const bool* mask,
-                     const float* lam_seg, double gamma, double lam, int64_t lam_mode, double alpha, int64_t cross,
-                     double lam_critic, int64_t* counts, SegParams* params) {
-  const int64_t s0 = cu_seg[r], s1 = cu_seg[r + 1];
-  const bool need_counts = cross == crf::kCrossPaper || lam_mode == crf::kLamAdaptiveSegment ||
-                           lam_mode == crf::kLamAdaptiveRollout;
-  if (need_counts)
-    for (int64_t s = s0; s < s1; ++s) {
-      int64_t n = 0;
-      const int64_t b = start ? start[s] : (int64_t)cu_seq[s], e = b + (cu_seq[s + 1] - cu_seq[s]);
-      for (int64_t t = b; t < e; ++t) n += mask[t];
-      counts[s] = n;
-    }
-  crf::rollout_params<idx_t>(s0, s1, cu_seq, need_counts ? counts : nullptr, lam_seg, gamma, lam, lam_mode, alpha,
-                             cross, lam_critic, params);
-}
-
 // An independent recurrence: segments lo..hi walked from hi down; only hi has reset = 1. A piece of a long
 // chain (`cut_long_chains`) starts at `end` - 1 in hi and stops at `begin` in lo, from the carry (a0, ac0, v0).
 struct Chain {
@@ -97,6 +87,7 @@ struct Chain {
   int64_t begin = -1, end = -1;  // token bounds in lo and hi; -1: the whole segment
   double a0 = 0.0, ac0 = 0.0, v0 = 0.0;
   int64_t id = -1;  // >= 0: the state at its first token goes to ChainScan::finals[id]
+  bool write = true;  // false: only that state is wanted (pass 1 of a piece that pass 2 scans again)
 };
 
 // The SIMD paths, chosen per call: COMPACTIONRL_FAST_CPU_SIMD = auto (default: the widest the CPU has),
@@ -123,14 +114,17 @@ constexpr int kMaxLanes = 8;
 
 // One reverse step of one recurrence at token t, the arithmetic of every path: m = trainable, carries a
 // (advantage), ac (critic), vn (the next trainable value). Written with std::fma so that the scalar code does
-// what the vector code does (inlined into CRF_FMA functions it is one instruction).
+// what the vector code does (inlined into CRF_FMA functions it is one instruction). W = false: the carries only.
+template <bool W>
 [[gnu::always_inline]] inline void step(bool m, float rf, float vf, double g, double gl, double glc, double sc,
                                         double& a, double& ac, double& vn, float& adv, float& ret) {
   const double r = rf, v = vf;
   const double d = std::fma(g, vn, r) - v;
   const double an = std::fma(gl, a, d), acn = std::fma(glc, ac, d);
-  adv = m ? (float)(sc * an) : 0.f;
-  ret = m ? (float)(acn + v) : 0.f;
+  if (W) {
+    adv = m ? (float)(sc * an) : 0.f;
+    ret = m ? (float)(acn + v) : 0.f;
+  }
   a = m ? an : a;
   ac = m ? acn : ac;
   vn = m ? v : vn;
@@ -156,6 +150,7 @@ struct ChainScan {
   struct Lane {
     int64_t s, lo, hi, p, b, begin, end, id;
     double gl, glc, scale, a, ac, vn;
+    bool write;
   };
 
   // The tokens [b, e) of segment s in a chain (or piece) lo..hi whose bounds in lo and hi are begin, end (-1: none).
@@ -175,7 +170,7 @@ struct ChainScan {
   }
 
   bool start_chain(Lane& l, const Chain& c) const {
-    l.s = l.hi = c.hi, l.lo = c.lo, l.begin = c.begin, l.end = c.end, l.id = c.id;
+    l.s = l.hi = c.hi, l.lo = c.lo, l.begin = c.begin, l.end = c.end, l.id = c.id, l.write = c.write;
     l.a = c.a0, l.ac = c.ac0, l.vn = c.v0;
     if (enter(l)) return true;
     done(l);
@@ -187,38 +182,44 @@ struct ChainScan {
   }
 
   // The rest of one lane's chain on its own (the batch's last chains, or a single long one).
+  template <bool W>
   [[gnu::always_inline]] inline void finish_body(Lane& l) const {
     do {
       double a = l.a, ac = l.ac, vn = l.vn;
       for (int64_t t = l.p; t >= l.b; --t)
-        step(mask[t], rew[t], val[t], gamma, l.gl, l.glc, l.scale, a, ac, vn, adv[t], ret[t]);
+        step<W>(mask[t], rew[t], val[t], gamma, l.gl, l.glc, l.scale, a, ac, vn, adv[t], ret[t]);
       l.a = a, l.ac = ac, l.vn = vn;
       --l.s;
     } while (enter(l));
     done(l);
   }
-  CRF_FMA void finish_fma(Lane& l) const { finish_body(l); }
-  void finish(Lane& l) const { simd == kScalar ? finish_body(l) : finish_fma(l); }
+  template <bool W>
+  CRF_FMA void finish_fma(Lane& l) const { finish_body<W>(l); }
+  template <bool W>
+  void finish(Lane& l) const { simd == kScalar ? finish_body<W>(l) : finish_fma<W>(l); }
 
   // `n` lanes in lockstep for `steps` tokens each, one token of every lane per step: the lanes' recurrences
   // are independent, so their latencies overlap.
+  template <bool W>
   [[gnu::always_inline]] inline void lockstep_body(int n, double* a, double* ac, double* vn, const double* gl,
                                                    const double* glc, const double* sc, const int64_t* p, int64_t i0,
                                                    int64_t i1) const {
     for (int64_t i = i0; i < i1; ++i)
       for (int k = 0; k < n; ++k) {
         const int64_t t = p[k] - i;
-        step(mask[t], rew[t], val[t], gamma, gl[k], glc[k], sc[k], a[k], ac[k], vn[k], adv[t], ret[t]);
+        step<W>(mask[t], rew[t], val[t], gamma, gl[k], glc[k], sc[k], a[k], ac[k], vn[k], adv[t], ret[t]);
       }
   }
+  template <bool W>
   CRF_FMA void lockstep_fma(int n, double* a, double* ac, double* vn, const double* gl, const double* glc,
                             const double* sc, const int64_t* p, int64_t i0, int64_t i1) const {
-    lockstep_body(n, a, ac, vn, gl, glc, sc, p, i0, i1);
+    lockstep_body<W>(n, a, ac, vn, gl, glc, sc, p, i0, i1);
   }
 
   // AVX2: 4 lanes x 4 tokens per iteration. Each lane's 4 tokens are loaded contiguously and transposed, so
   // that one __m256d holds one step of the 4 lanes; results are transposed back and stored. Returns the steps
-  // done (a multiple of 4).
+  // done (a multiple of 4). W = false: the carries only.
+  template <bool W>
   CRF_FMA int64_t lockstep_avx2(double* a_, double* ac_, double* vn_, const double* gl_, const double* glc_,
                                 const double* sc_, const int64_t* p, int64_t steps) const {
     __m256d a = _mm256_loadu_pd(a_), ac = _mm256_loadu_pd(ac_), vn = _mm256_loadu_pd(vn_);
@@ -251,17 +252,21 @@ struct ChainScan {
         const __m256d d = _mm256_sub_pd(_mm256_fmadd_pd(g, vn, r), v);
         const __m256d an = _mm256_fmadd_pd(gl, a, d);
         const __m256d acn = _mm256_fmadd_pd(glc, ac, d);
-        oa[c] = _mm256_cvtpd_ps(_mm256_blendv_pd(zero_d, _mm256_mul_pd(sc, an), m));
-        orr[c] = _mm256_cvtpd_ps(_mm256_blendv_pd(zero_d, _mm256_add_pd(acn, v), m));
+        if (W) {
+          oa[c] = _mm256_cvtpd_ps(_mm256_blendv_pd(zero_d, _mm256_mul_pd(sc, an), m));
+          orr[c] = _mm256_cvtpd_ps(_mm256_blendv_pd(zero_d, _mm256_add_pd(acn, v), m));
+        }
         a = _mm256_blendv_pd(a, an, m);
         ac = _mm256_blendv_pd(ac, acn, m);
         vn = _mm256_blendv_pd(vn, v, m);
       }
-      _MM_TRANSPOSE4_PS(oa[0], oa[1], oa[2], oa[3]);  // back to rows: lane k's 4 tokens
-      _MM_TRANSPOSE4_PS(orr[0], orr[1], orr[2], orr[3]);
-      for (int k = 0; k < 4; ++k) {
-        _mm_storeu_ps(adv + p[k] - i - 3, oa[k]);
-        _mm_storeu_ps(ret + p[k] - i - 3, orr[k]);
+      if (W) {
+        _MM_TRANSPOSE4_PS(oa[0], oa[1], oa[2], oa[3]);  // back to rows: lane k's 4 tokens
+        _MM_TRANSPOSE4_PS(orr[0], orr[1], orr[2], orr[3]);
+        for (int k = 0; k < 4; ++k) {
+          _mm_storeu_ps(adv + p[k] - i - 3, oa[k]);
+          _mm_storeu_ps(ret + p[k] - i - 3, orr[k]);
+        }
       }
     }
     _mm256_storeu_pd(a_, a), _mm256_storeu_pd(ac_, ac), _mm256_storeu_pd(vn_, vn);
@@ -283,7 +288,8 @@ struct ChainScan {
   // AVX-512: 8 lanes x 8 tokens per iteration, the same scheme with mask registers: a masked fused
   // multiply-add updates a carry only at trainable tokens, a zero-masked product writes 0 elsewhere.
   // OWN: the returns have their own recurrence (lam_critic); without it they are advantages + values.
-  template <bool OWN>
+  // W = false: the carries only.
+  template <bool OWN, bool W>
   CRF_AVX512 int64_t lockstep_avx512(double* a_, double* ac_, double* vn_, const double* gl_, const double* glc_,
                                      const double* sc_, const int64_t* p, int64_t steps) const {
     __m512d a = _mm512_loadu_pd(a_), ac = _mm512_loadu_pd(ac_), vn = _mm512_loadu_pd(vn_);
@@ -309,14 +315,18 @@ struct ChainScan {
         if (OWN) ac = _mm512_mask_fmadd_pd(ac, m, glc, d);
         else ac = a;
         vn = _mm512_mask_mov_pd(vn, m, vd);
-        oa[c] = _mm512_cvtpd_ps(_mm512_maskz_mul_pd(m, sc, a));
-        orr[c] = _mm512_cvtpd_ps(_mm512_maskz_add_pd(m, ac, vd));
+        if (W) {
+          oa[c] = _mm512_cvtpd_ps(_mm512_maskz_mul_pd(m, sc, a));
+          orr[c] = _mm512_cvtpd_ps(_mm512_maskz_add_pd(m, ac, vd));
+        }
       }
-      transpose8(oa);  // back to rows: lane k's 8 tokens
-      transpose8(orr);
-      for (int k = 0; k < 8; ++k) {
-        _mm256_storeu_ps(adv + p[k] - i - 7, oa[k]);
-        _mm256_storeu_ps(ret + p[k] - i - 7, orr[k]);
+      if (W) {
+        transpose8(oa);  // back to rows: lane k's 8 tokens
+        transpose8(orr);
+        for (int k = 0; k < 8; ++k) {
+          _mm256_storeu_ps(adv + p[k] - i - 7, oa[k]);
+          _mm256_storeu_ps(ret + p[k] - i - 7, orr[k]);
+        }
       }
     }
     _mm512_storeu_pd(a_, a), _mm512_storeu_pd(ac_, ac), _mm512_storeu_pd(vn_, vn);
@@ -325,6 +335,7 @@ struct ChainScan {
 
   // `n` live lanes (2 <= n <= lanes) for `steps` tokens each. A vector path always computes all its lanes: the
   // lanes past n repeat lane 0 exactly (its tokens, carries and numbers), so they store lane 0's bytes again.
+  template <bool W>
   void lockstep(Lane* lane, int n, int lanes, int64_t steps) const {
     double a[kMaxLanes], ac[kMaxLanes], vn[kMaxLanes], gl[kMaxLanes], glc[kMaxLanes], sc[kMaxLanes];
     int64_t p[kMaxLanes];
@@ -334,19 +345,22 @@ struct ChainScan {
     }
     int64_t done = 0;
     if (simd == kAvx512)
-      done = own_critic ? lockstep_avx512<true>(a, ac, vn, gl, glc, sc, p, steps)
-                        : lockstep_avx512<false>(a, ac, vn, gl, glc, sc, p, steps);
-    else if (simd == kAvx2) done = lockstep_avx2(a, ac, vn, gl, glc, sc, p, steps);
-    if (simd == kScalar) lockstep_body(n, a, ac, vn, gl, glc, sc, p, done, steps);
-    else lockstep_fma(n, a, ac, vn, gl, glc, sc, p, done, steps);
+      done = own_critic ? lockstep_avx512<true, W>(a, ac, vn, gl, glc, sc, p, steps)
+                        : lockstep_avx512<false, W>(a, ac, vn, gl, glc, sc, p, steps);
+    else if (simd == kAvx2) done = lockstep_avx2<W>(a, ac, vn, gl, glc, sc, p, steps);
+    if (simd == kScalar) lockstep_body<W>(n, a, ac, vn, gl, glc, sc, p, done, steps);
+    else lockstep_fma<W>(n, a, ac, vn, gl, glc, sc, p, done, steps);
     for (int k = 0; k < n; ++k) lane[k].a = a[k], lane[k].ac = ac[k], lane[k].vn = vn[k], lane[k].p = p[k] - steps;
   }
 
   void run(const Chain* chains_in, int64_t n) const {
     const int lanes = simd == kAvx512 ? 8 : 4;
-    // longest first: when the queue runs dry, the lanes still busy hold the shortest chains
+    // longest first: when the queue runs dry, the lanes still busy hold the shortest chains; pieces that only
+    // leave their state before those that write, so that they fill the lanes by themselves
     std::vector<Chain> chains(chains_in, chains_in + n);
-    std::stable_sort(chains.begin(), chains.end(), [](const Chain& x, const Chain& y) { return x.tokens > y.tokens; });
+    std::stable_sort(chains.begin(), chains.end(), [](const Chain& x, const Chain& y) {
+      return x.write != y.write ? y.write : x.tokens > y.tokens;
+    });
     Lane lane[kMaxLanes];
     int64_t next = 0;
     int live = 0;
@@ -356,7 +370,11 @@ struct ChainScan {
     while (live >= 2) {
       int64_t steps = lane[0].p - lane[0].b + 1;
       for (int k = 1; k < live; ++k) steps = std::min(steps, lane[k].p - lane[k].b + 1);
-      lockstep(lane, live, lanes, steps);
+      // lanes that only leave their state skip the outputs when no lane writes (Chain::write); otherwise
+      // they write too, outputs that pass 2 writes again
+      bool write = false;
+      for (int k = 0; k < live; ++k) write |= lane[k].write;
+      write ? lockstep<true>(lane, live, lanes, steps) : lockstep<false>(lane, live, lanes, steps);
       for (int k = 0; k < live;) {
         if (lane[k].p >= lane[k].b) {
           ++k;
@@ -370,10 +388,10 @@ struct ChainScan {
         if (!refilled) lane[k] = lane[--live];  // the queue is empty: the last lane moves here
       }
     }
-    for (int k = 0; k < live; ++k) finish(lane[k]);
+    for (int k = 0; k < live; ++k) lane[k].write ? finish<true>(lane[k]) : finish<false>(lane[k]);
     for (; next < n; ++next) {
       Lane l;
-      if (start_chain(l, chains[next])) finish(l);
+      if (start_chain(l, chains[next])) l.write ? finish<true>(l) : finish<false>(l);
     }
   }
 };
@@ -398,11 +416,13 @@ void run_parallel(const ChainScan<idx_t>& scan, const std::vector<Chain>& list) 
 }
 
 // Long chains, cut into pieces. A chain of more than max(32K, T/8) tokens would leave the lanes idle while one
-// lane walks it one dependent step at a time, so it is cut into pieces of about max(16K, T/16) tokens. Pass 1 (`first`) runs every piece but a chain's earliest from a zero carry and keeps
-// the state at its first token; with the products of gamma*lam over each piece's trainable tokens these give
-// every piece's carry (`carry_pieces`, float64). Pass 2 (`second`) runs the chains left whole and every piece
-// but a chain's last (pass 1 ran that one from its true, zero, carry). The cut depends only on the layout, so
-// the result does not depend on the thread count or the vector width.
+// lane walks it one dependent step at a time, so it is cut into pieces of about max(16K, T/16) tokens. Pass 1
+// (`first`) runs every piece but a chain's earliest from a zero carry and keeps the state at its first token
+// (writing only the chain's last piece, whose zero carry is its true one; the others skip their outputs'
+// conversions, transposes and stores); with the products of gamma*lam over each piece's trainable tokens these
+// states give every piece's carry (`carry_pieces`, float64). Pass 2 (`second`) runs the chains left whole and
+// every piece but a chain's last. The cut depends only on the layout, so the result does not depend on the
+// thread count or the vector width.
 struct Cut {
   std::vector<Chain> first, second;
   // per cut chain and piece k (earliest first): its index in `first` (-1 for k = 0) and in `second` (-1 for the last)
@@ -438,8 +458,9 @@ Cut cut_long_chains(const ChainScan<idx_t>& scan, const std::vector<Chain>& chai
       }
       if (k > 0) {
         p.id = (int64_t)cut.first.size(), ids[k] = p.id;
+        p.write = k + 1 == m;  // the others are scanned again in pass 2: their state is all pass 1 needs
         cut.first.push_back(p);
-        p.id = -1;
+        p.id = -1, p.write = true;
       }
       if (k + 1 < m) in_second[k] = (int64_t)cut.second.size(), cut.second.push_back(p);
     }
@@ -464,9 +485,7 @@ void carry_pieces(const ChainScan<idx_t>& scan, Cut& cut, const std::vector<crf:
       std::vector<int64_t> n(p.hi - p.lo + 1);
       for (int64_t s = p.lo; s <= p.hi; ++s) {
         const auto [b, e] = scan.span(s, p.lo, p.hi, p.begin, p.end);
-        int64_t c = 0;
-        for (int64_t t = b; t < e; ++t) c += scan.mask[t];
-        if ((n[s - p.lo] = c)) latest = s;
+        if ((n[s - p.lo] = crf::count_true(scan.mask, b, e))) latest = s;
       }
       double xa = 1.0, ya = scan.gamma, xc = 1.0, yc = scan.gamma;
       for (int64_t s = p.lo; s <= p.hi; ++s) {

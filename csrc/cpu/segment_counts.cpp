@@ -4,6 +4,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "../common/count.h"
 #include "segment_runs.h"
 
 namespace {
@@ -25,11 +26,7 @@ at::Tensor segment_counts_cpu(const at::Tensor& loss_mask, const at::Tensor& cu_
   AT_DISPATCH_INDEX_TYPES(cs.scalar_type(), "segment_counts_cpu", [&] {
     const index_t* cu = cs.data_ptr<index_t>();
     at::parallel_for(0, S, 256, [&](int64_t s0, int64_t s1) {
-      for (int64_t s = s0; s < s1; ++s) {
-        int64_t n = 0;
-        for (int64_t t = cu[s]; t < cu[s + 1]; ++t) n += pm[t];
-        po[s] = n;
-      }
+      for (int64_t s = s0; s < s1; ++s) po[s] = crf::count_true(pm, cu[s], cu[s + 1]);
     });
   });
   return out;

@@ -10,7 +10,7 @@ import torch
 import compactionrl_fast as crf
 from compactionrl_fast.ops._dispatch import available
 from compactionrl_fast.reference import gae as ref
-from tests.utils import SHAPE_TABLE, packed_batch, random_case
+from tests.utils import SHAPE_TABLE, check_gae_accuracy, packed_batch, random_case
 
 if "triton" in available(torch.device("cpu")):
     import triton
@@ -138,13 +138,7 @@ def _check_backend(backend, b, **kw):
     adv, ret = crf.segment_gae(**b, backend=backend, **kw)
     assert adv.dtype == torch.float32 and ret.dtype == torch.float32
     assert not adv.isnan().any() and not ret.isnan().any()
-    want, loop = ref.segment_gae(**b, **kw), ref.segment_gae(**b, **kw, dtype=torch.float32)
-    for name, got, w, l in zip(("advantages", "returns"), (adv, ret), want, loop):
-        err, e32 = (got.double() - w).abs().max().item(), (l - w).abs().max().item()
-        rounding = w.abs().max().item() * 2.0**-23
-        assert err <= 2 * e32 + rounding, \
-            f"{backend} {name}: error {err:.3g} > 2 x float32 loop error {e32:.3g} + {rounding:.3g} ({kw})"
-    assert (adv[~b["loss_mask"]] == 0).all() and (ret[~b["loss_mask"]] == 0).all()
+    check_gae_accuracy(adv, ret, b, backend, **kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -170,6 +164,21 @@ def test_backend_matches_reference_random(backend, seed):
     for mode in MODES:
         _check_backend(backend, b, gamma=0.95, lam=lam_t, cross_segment=mode, lam_critic=0.9)
         _check_backend(backend, b, cross_segment=mode, adaptive_length="segment")
+
+
+def test_accuracy_rule_can_fail():
+    """check_gae_accuracy passes the float64 reference and the float32 loop itself, and fails a result three
+    times as far from the reference as the loop (on advantages, then on returns alone)."""
+    b = packed_batch(random_case(5), seed=5)
+    kw = dict(gamma=0.99, lam=0.95, cross_segment="paper")
+    (wa, wr), (la, lr) = ref.segment_gae(**b, **kw), ref.segment_gae(**b, **kw, dtype=torch.float32)
+    check_gae_accuracy(wa, wr, b, **kw)
+    check_gae_accuracy(la, lr, b, **kw)
+    off = torch.where(b["loss_mask"], 1e-6, 0.0)
+    with pytest.raises(AssertionError, match="advantages"):
+        check_gae_accuracy(la + 2 * (la - wa) + off, lr, b, **kw)
+    with pytest.raises(AssertionError, match="returns"):
+        check_gae_accuracy(la, lr + 2 * (lr - wr) + off, b, **kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS + ["torch"])
@@ -686,12 +695,7 @@ def test_cpu_simd_paths_give_the_same_bits(seed, monkeypatch):
     kws = [dict(gamma=0.97, lam=0.9, cross_segment=m, lam_critic=1.0) for m in MODES]
     kws.append(dict(gamma=0.95, lam=torch.rand(S, generator=torch.Generator().manual_seed(seed)), cross_segment="paper"))
     for kw in kws:
-        outs = {}
-        for simd in ("auto", "avx512", "avx2", "none"):
-            monkeypatch.setenv("COMPACTIONRL_FAST_CPU_SIMD", simd)
-            outs[simd] = crf.segment_gae(**b, backend="cpp", **kw)
-        for simd, (adv, ret) in outs.items():
-            assert torch.equal(adv, outs["auto"][0]) and torch.equal(ret, outs["auto"][1]), (simd, kw)
+        _cpu_paths_agree(monkeypatch, b, **kw)
         _check_backend("cpp", b, **kw)
 
 
@@ -699,6 +703,22 @@ def test_cpu_simd_paths_give_the_same_bits(seed, monkeypatch):
 # pieces of max(16K, T/16) tokens when longer than twice that, cuts falling inside and between segments
 LONG_CHAIN = [[(30000, "rand"), (0, "all"), (25001, "rand"), (5, "none"), (20000, "rand")]] + \
     [[(1 + (7 * i) % 90, "rand")] for i in range(40)] + [[(70001, "rand")], [(3, "all"), (40, "rand")]]
+
+
+def _cpu_paths_agree(monkeypatch, b, **kw):
+    """The C++ op gives the same bits on AVX-512 (where the CPU has it), AVX2 and scalar, on 1 and 2 threads."""
+    outs = []
+    for simd, threads in [("auto", 1), ("avx512", 1), ("avx2", 1), ("none", 1), ("auto", 2)]:
+        monkeypatch.setenv("COMPACTIONRL_FAST_CPU_SIMD", simd)
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            outs.append(crf.segment_gae(**b, backend="cpp", **kw))
+        finally:
+            torch.set_num_threads(prev)
+    monkeypatch.delenv("COMPACTIONRL_FAST_CPU_SIMD")
+    for o in outs[1:]:
+        assert torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1]), kw
 
 
 @pytest.mark.skipif("cpp" not in BACKENDS, reason="the C++ extension is not built")
@@ -715,18 +735,7 @@ def test_cpu_long_chains_cut_into_pieces(monkeypatch):
             dict(gamma=1.0, lam=0.0, cross_segment="stitched", lam_critic=0.5)]
     for kw in kws:
         _check_backend("cpp", b, **kw)
-        outs = []
-        for simd, threads in [("auto", 1), ("avx2", 1), ("none", 1), ("auto", 2)]:
-            monkeypatch.setenv("COMPACTIONRL_FAST_CPU_SIMD", simd)
-            prev = torch.get_num_threads()
-            torch.set_num_threads(threads)
-            try:
-                outs.append(crf.segment_gae(**b, backend="cpp", **kw))
-            finally:
-                torch.set_num_threads(prev)
-        for o in outs[1:]:
-            assert torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1]), kw
-    monkeypatch.delenv("COMPACTIONRL_FAST_CPU_SIMD")
+        _cpu_paths_agree(monkeypatch, b, **kw)
     rew, val, mask, start, where = _placed(b, 2)
     got = crf.segment_gae(rew, val, mask, b["cu_seqlens"], b["cu_segments"], seg_start=start,
                           cross_segment="stitched", backend="cpp")
@@ -742,6 +751,18 @@ def test_cpu_long_chains_cut_into_pieces(monkeypatch):
         for g, w in zip(got, want):
             assert torch.equal(g.isnan(), w.isnan()), cross
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.skipif("cpp" not in BACKENDS, reason="the C++ extension is not built")
+def test_cpu_pieces_that_only_leave_their_state(monkeypatch):
+    """Pass 1 of the cut scan writes only each chain's last piece: 4 rollouts of 70001 tokens give 16 pieces
+    in pass 1, 12 that only leave their state (whole vector groups of them, on AVX-512 and AVX2) and 4 that
+    write. The accuracy rule, and the same bits on every vector path and thread count."""
+    b = packed_batch([[(70001, "rand")]] * 4, seed=2, index_dtype=torch.int64)
+    for kw in (dict(cross_segment="paper"), dict(gamma=0.99, lam=0.95, cross_segment="none", lam_critic=None),
+               dict(gamma=0.97, lam=0.9, cross_segment="stitched", lam_critic=0.8)):
+        _check_backend("cpp", b, **kw)
+        _cpu_paths_agree(monkeypatch, b, **kw)
 
 
 @pytest.mark.skipif("cpp" not in BACKENDS, reason="the C++ extension is not built")

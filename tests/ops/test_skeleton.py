@@ -368,6 +368,41 @@ def test_segment_gae_cuda_glue_launches_and_ops(monkeypatch, name, R, per, idx, 
     assert total <= 8, f"{name}: {total} ops > 8: wrapper {dict(outer.ops)}, launcher {dict(inner.ops)}"
 
 
+@pytest.mark.skipif(not _dispatch.has_triton(), reason="the CUDA default backend is triton")
+def test_segment_gae_cuda_glue_lookback_plan(monkeypatch):
+    """The look-back plan on fake CUDA tensors: the per-segment numbers, then one launch with a program per
+    tile of LOOKBACK_TILE tokens, BLOCK tokens per step (the sizes tests/test_aot.py compiles); no host read."""
+    from compactionrl_fast.kernels import gae as kgae
+
+    launches = []
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, grid, kwargs))
+
+    for k in ("_gae_params_kernel", "_gae_chunk_kernel", "_gae_lookback_kernel"):
+        monkeypatch.setattr(kgae, k, Stub(k))
+    monkeypatch.setenv("COMPACTIONRL_FAST_GAE_PLAN", "lookback")
+    monkeypatch.delenv("COMPACTIONRL_FAST_POISON", raising=False)
+    R, per, T = 6, 2, 6000  # 3 tiles, the last one short
+    with FakeTensorMode():
+        cu = torch.arange(R * per + 1, device="cuda") * (T // (R * per))
+        cs = torch.arange(R + 1, device="cuda") * per
+        x, mask = torch.zeros(T, device="cuda"), torch.ones(T, dtype=torch.bool, device="cuda")
+        calls = []
+        with monkeypatch.context() as m:
+            m.setattr(torch.ops.compactionrl_fast, "segment_gae_triton", lambda *a: calls.append(a) or (x, x))
+            crf.segment_gae(x, x, mask, cu, cs)
+        kgae._segment_gae_fwd(*calls[0])
+    assert [n for n, _, _ in launches] == ["_gae_params_kernel", "_gae_lookback_kernel"], launches
+    _, grid, kw = launches[1]
+    assert grid == (-(-T // kgae.LOOKBACK_TILE),) and kw["TILE"] == kgae.LOOKBACK_TILE and kw["BLOCK"] == kgae.BLOCK
+    assert kw["num_warps"] == kgae.NUM_WARPS
+
+
 @pytest.mark.skipif("triton" not in _dispatch.available(torch.device("cpu")), reason="needs the Triton interpreter")
 @pytest.mark.parametrize("cross", ["paper", "none", "stitched"])
 @pytest.mark.parametrize("lam,length", [(0.95, "rollout"), ("adaptive", "rollout"), ("adaptive", "segment"),

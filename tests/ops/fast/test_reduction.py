@@ -140,6 +140,17 @@ def test_segment_counts(monkeypatch, cu):
     assert got.tolist() == want and not any(k.startswith("compactionrl_fast.") for k in ops.ops)
 
 
+def test_segment_counts_long_runs():
+    """The C++ count adds 8 mask bytes at a time in byte lanes, 255 words per round: all-trainable runs past
+    one and two rounds, unaligned starts and ends, tails under 8 bytes, empty segments."""
+    T = 3 * 255 * 8 + 37
+    g = torch.Generator().manual_seed(0)
+    for mask in (torch.ones(T, dtype=torch.bool), torch.rand(T, generator=g) < 0.7):
+        cu = torch.tensor([0, 3, 3, 2043, 2044, 6100, 6109, T])  # [2044, 6100): 507 words, 2 rounds
+        want = [int(mask[a:b].sum()) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+        assert red.segment_counts(mask, cu).tolist() == want
+
+
 @pytest.mark.parametrize("reduction", REDS[:3])
 @pytest.mark.parametrize("layout", ["full", "no_segments", "no_seqlens"])
 @pytest.mark.parametrize("name", ["empty_segments", "four_segments", "no_trainable"])

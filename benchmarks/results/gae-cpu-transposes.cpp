@@ -3,9 +3,13 @@
 // the data movement. V0: as shipped (8x8 float transposes of rewards and values in, advantages and returns out);
 // V1: no transposes at all (wrong results, timing only); V3: the inputs through 512-bit two-source permutes
 // (vpermt2ps) instead, same results; V4: no input transposes; V5: no output transposes (both timing only).
+// V6: the same scan in float32 with 16 chains per 512-bit vector (16x16 transposes; the mask bytes regrouped by
+// two-source byte permutes so that one test gives 4 columns' masks; checked bit for bit against a scalar float32
+// loop of the same operations); V7: V6 without transposes; V8: V7 without masks; V11: V0 without masks (timing only).
 //   g++ -O3 -o gae-cpu-transposes gae-cpu-transposes.cpp && ./gae-cpu-transposes 8229 300
-// L = 8229, not 8192: chains 2^k floats apart put all 40 streams in the same L1 sets (0.92 ns/token for V0).
+// 16 chains of L tokens (V0-V5 take them 8 at a time). L = 8229, not 8192: chains 2^k floats apart put all 40 streams in the same L1 sets (0.92 ns/token for V0).
 #include <immintrin.h>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <cstdio>
@@ -13,7 +17,7 @@
 #include <vector>
 #include <chrono>
 #include <algorithm>
-#define A512 __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,gfni")))
+#define A512 __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx512vbmi,avx2,fma,gfni")))
 A512 static inline void transpose8(__m256* x) {
   __m256 t[8], u[8];
   for (int k = 0; k < 8; k += 2) t[k] = _mm256_unpacklo_ps(x[k], x[k + 1]), t[k + 1] = _mm256_unpackhi_ps(x[k], x[k + 1]);
@@ -113,7 +117,7 @@ A512 __attribute__((noinline)) int64_t lockstep(const S& s, double* a_, double* 
       for (int c = 0; c < 8; ++c) mm[c] = _mm512_test_epi64_mask(mq, _mm512_set1_epi64(1ll << (8 * c)));
     }
     for (int c = 7; c >= 0; --c) {
-      const __mmask8 m = mm[c];
+      const __mmask8 m = V == 11 ? (__mmask8)0xFF : mm[c];
       const __m512d rd = _mm512_cvtps_pd(r[c]), vd = _mm512_cvtps_pd(v[c]);
       const __m512d d = _mm512_sub_pd(_mm512_fmadd_pd(g, vn, rd), vd);
       a = _mm512_mask_fmadd_pd(a, m, gl, d);
@@ -131,8 +135,91 @@ A512 __attribute__((noinline)) int64_t lockstep(const S& s, double* a_, double* 
   _mm512_storeu_pd(a_, a), _mm512_storeu_pd(ac_, ac), _mm512_storeu_pd(vn_, vn);
   return i;
 }
+
+// 16x16 transpose of rows x[0..15] in 4 rounds of 16 shuffles
+A512 static inline void transpose16(__m512* x) {
+  __m512 t[16], u[16];
+  for (int k = 0; k < 16; k += 2) t[k] = _mm512_unpacklo_ps(x[k], x[k + 1]), t[k + 1] = _mm512_unpackhi_ps(x[k], x[k + 1]);
+  for (int k = 0; k < 16; k += 4) {  // u[4g+m], 128-bit lane j: column 4j+m of rows 4g..4g+3
+    u[k] = _mm512_shuffle_ps(t[k], t[k + 2], 0x44), u[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], 0xEE);
+    u[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0x44), u[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x88), v1 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xDD);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x88), v3 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xDD);
+    x[m] = _mm512_shuffle_f32x4(v0, v2, 0x88), x[8 + m] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    x[4 + m] = _mm512_shuffle_f32x4(v1, v3, 0x88), x[12 + m] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+  }
+}
+struct MIdx { uint8_t idx[4][64]; };
+static MIdx make_midx() {  // position 16*cc + k of group g <- byte 16*(k%4) + 4g + cc of z_{k/4} (pairs z0|z1, z2|z3)
+  MIdx m;
+  for (int g = 0; g < 4; ++g)
+    for (int cc = 0; cc < 4; ++cc)
+      for (int k = 0; k < 16; ++k) m.idx[g][16 * cc + k] = (uint8_t)(((k % 8) >= 4 ? 64 : 0) + 16 * (k % 4) + 4 * g + cc);
+  return m;
+}
+static const MIdx MIDX = make_midx();
+struct F16 { float a[16], vn[16], gl[16], sc[16]; };
+template <int V>
+A512 __attribute__((noinline)) int64_t lockstep16(const S& s, F16& st, const int64_t* p, int64_t steps) {
+  __m512 a = _mm512_loadu_ps(st.a), vn = _mm512_loadu_ps(st.vn);
+  const __m512 gl = _mm512_loadu_ps(st.gl), sc = _mm512_loadu_ps(st.sc), g = _mm512_set1_ps((float)s.gamma);
+  int64_t i = 0;
+  for (; i + 16 <= steps; i += 16) {
+    __m512 r[16], v[16], oa[16], orr[16];
+    for (int k = 0; k < 16; ++k) {
+      r[k] = _mm512_loadu_ps(s.rew + p[k] - i - 15);
+      v[k] = _mm512_loadu_ps(s.val + p[k] - i - 15);
+    }
+    if (V == 6) { transpose16(r); transpose16(v); }
+    __mmask64 mg[4];
+    if (V != 8) {  // mask bytes: z_j = chains 4j..4j+3 (16 bytes each); regrouped so vector g holds columns
+      __m512i z[4];  // 4g..4g+3 of all 16 chains (byte 16*(c%4) + chain)
+      for (int j = 0; j < 4; ++j) {
+        __m512i t = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(s.mask + p[4 * j] - i - 15)));
+        for (int q = 1; q < 4; ++q)
+          t = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i*)(s.mask + p[4 * j + q] - i - 15)), q);
+        z[j] = t;
+      }
+      for (int g2 = 0; g2 < 4; ++g2) {
+        const __m512i idx = _mm512_loadu_si512(MIDX.idx[g2]);
+        const __m512i a = _mm512_permutex2var_epi8(z[0], idx, z[1]), b = _mm512_permutex2var_epi8(z[2], idx, z[3]);
+        const __m512i o = _mm512_mask_blend_epi8(0xFF00FF00FF00FF00ull, a, b);
+        mg[g2] = _mm512_test_epi8_mask(o, o);
+      }
+    }
+    for (int c = 15; c >= 0; --c) {
+      const __mmask16 m = V == 8 ? (__mmask16)0xFFFF : (__mmask16)(mg[c / 4] >> (16 * (c % 4)));
+      const __m512 d = _mm512_sub_ps(_mm512_fmadd_ps(g, vn, r[c]), v[c]);
+      a = _mm512_mask_fmadd_ps(a, m, gl, d);  // a = a * gl + d at trainable tokens
+      vn = _mm512_mask_mov_ps(vn, m, v[c]);
+      oa[c] = _mm512_maskz_mul_ps(m, sc, a);
+      orr[c] = _mm512_maskz_add_ps(m, a, v[c]);
+    }
+    if (V == 6) { transpose16(oa); transpose16(orr); }
+    for (int k = 0; k < 16; ++k) {
+      _mm512_storeu_ps(s.adv + p[k] - i - 15, oa[k]);
+      _mm512_storeu_ps(s.ret + p[k] - i - 15, orr[k]);
+    }
+  }
+  _mm512_storeu_ps(st.a, a), _mm512_storeu_ps(st.vn, vn);
+  return i;
+}
+// the same operations one token at a time (what V6 must reproduce bit for bit)
+static void scalar16(const S& s, F16& st, const int64_t* p, int64_t steps) {
+  for (int k = 0; k < 16; ++k)
+    for (int64_t i = 0; i < steps; ++i) {
+      const int64_t t = p[k] - i;
+      const bool m = s.mask[t];
+      const float d = std::fmaf((float)s.gamma, st.vn[k], s.rew[t]) - s.val[t];
+      if (m) st.a[k] = std::fmaf(st.gl[k], st.a[k], d), st.vn[k] = s.val[t];
+      s.adv[t] = m ? st.sc[k] * st.a[k] : 0.f;
+      s.ret[t] = m ? st.a[k] + s.val[t] : 0.f;
+    }
+}
 int main(int argc, char** argv) {
-  int64_t L = argc > 1 ? atoll(argv[1]) : 8192, R = 8;
+  int64_t L = argc > 1 ? atoll(argv[1]) : 8192, R = 16;
   int64_t reps = argc > 2 ? atoll(argv[2]) : 200;
   std::vector<float> rew(R * L), val(R * L), adv(R * L), ret(R * L);
   std::vector<char> maskc(R * L);
@@ -143,25 +230,47 @@ int main(int argc, char** argv) {
   S s{rew.data(), val.data(), (const bool*)maskc.data(), adv.data(), ret.data(), 1.0};
   double gl[8], glc[8], sc[8];
   for (int k = 0; k < 8; ++k) gl[k] = glc[k] = 0.95, sc[k] = 1.0;
-  std::vector<float> ref_adv;
-  for (int V : {0, 1, 3, 4, 5, 0, 1, 3, 4, 5}) {
+  std::vector<float> ref_adv, f32_adv, f32_ret;
+  {  // the scalar float32 loop, for V6's check
+    F16 st{};
+    int64_t p[16];
+    for (int k = 0; k < 16; ++k) p[k] = k * L + L - 1, st.gl[k] = 0.95f, st.sc[k] = 1.f;
+    std::fill(adv.begin(), adv.end(), -1.f), std::fill(ret.begin(), ret.end(), -1.f);
+    scalar16(s, st, p, L / 16 * 16);
+    f32_adv = adv, f32_ret = ret;
+  }
+  for (int V : {0, 1, 3, 4, 5, 6, 7, 8, 11, 0, 1, 3, 4, 5, 6, 7, 8, 11}) {
     std::vector<double> ts;
+    std::fill(adv.begin(), adv.end(), -1.f), std::fill(ret.begin(), ret.end(), -1.f);
     for (int rep = 0; rep < reps; ++rep) {
-      double a[8] = {}, ac[8] = {}, vn[8] = {};
-      int64_t p[8];
-      for (int k = 0; k < 8; ++k) p[k] = k * L + L - 1;
+      int64_t p[16];
+      for (int k = 0; k < 16; ++k) p[k] = k * L + L - 1;
       auto t0 = std::chrono::steady_clock::now();
-      if (V == 0) lockstep<0>(s, a, ac, vn, gl, glc, sc, p, L);
-      if (V == 1) lockstep<1>(s, a, ac, vn, gl, glc, sc, p, L);
-      if (V == 3) lockstep<3>(s, a, ac, vn, gl, glc, sc, p, L);
-      if (V == 4) lockstep<4>(s, a, ac, vn, gl, glc, sc, p, L);
-      if (V == 5) lockstep<5>(s, a, ac, vn, gl, glc, sc, p, L);
+      if (V >= 6 && V <= 8) {
+        F16 st{};
+        for (int k = 0; k < 16; ++k) st.gl[k] = 0.95f, st.sc[k] = 1.f;
+        if (V == 6) lockstep16<6>(s, st, p, L / 16 * 16);
+        if (V == 7) lockstep16<7>(s, st, p, L / 16 * 16);
+        if (V == 8) lockstep16<8>(s, st, p, L / 16 * 16);
+      } else {
+        for (int h = 0; h < 2; ++h) {
+          double a[8] = {}, ac[8] = {}, vn[8] = {};
+          if (V == 0) lockstep<0>(s, a, ac, vn, gl, glc, sc, p + 8 * h, L);
+          if (V == 1) lockstep<1>(s, a, ac, vn, gl, glc, sc, p + 8 * h, L);
+          if (V == 3) lockstep<3>(s, a, ac, vn, gl, glc, sc, p + 8 * h, L);
+          if (V == 4) lockstep<4>(s, a, ac, vn, gl, glc, sc, p + 8 * h, L);
+          if (V == 5) lockstep<5>(s, a, ac, vn, gl, glc, sc, p + 8 * h, L);
+          if (V == 11) lockstep<11>(s, a, ac, vn, gl, glc, sc, p + 8 * h, L);
+        }
+      }
       auto t1 = std::chrono::steady_clock::now();
       ts.push_back(std::chrono::duration<double>(t1 - t0).count());
     }
     std::sort(ts.begin(), ts.end());
     if (V == 0 && ref_adv.empty()) ref_adv = adv;
-    bool same = V == 1 ? true : std::equal(adv.begin(), adv.end(), ref_adv.begin());
+    bool same = V == 1 || V == 7 || V == 8 || V == 11 ? true
+              : V == 6 ? f32_adv == adv && f32_ret == ret
+              : std::equal(adv.begin(), adv.end(), ref_adv.begin());
     printf("V%d L=%ld: %.3f ns/token  same=%d\n", V, L, ts[ts.size() / 2] / (R * L) * 1e9, same);
   }
 }

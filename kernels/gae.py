@@ -350,7 +350,8 @@ def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, cs_ptr, start_ptr, T, 
 @triton.jit
 def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, S, gl_ptr, glc_ptr, scale_ptr, reset_ptr,
                          gamma_hi, gamma_lo, ws_ptr, agg_ptr, incl_ptr, adv_ptr, ret_ptr, n_tiles, LOG_S,
-                         TILE: tl.constexpr, BLOCK: tl.constexpr, OWN_CRITIC: tl.constexpr, HAS_START: tl.constexpr):
+                         TILE: tl.constexpr, BLOCK: tl.constexpr, OWN_CRITIC: tl.constexpr, HAS_START: tl.constexpr,
+                         INCL_EVERY: tl.constexpr):
     """Single-pass reverse scan with decoupled look-back (the mirror of the CUB/Merrill-Garland scheme).
 
     Tiles of TILE tokens are taken in a dynamic order from an atomic counter (ws[0]), last tile first, so a
@@ -358,6 +359,8 @@ def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, S, gl
     towards later tiles for its carry (composing their maps until a tile with a published inclusive
     state, flag 2), publishes its own inclusive state, then writes its tokens from that carry.
     ws: int32 [1 + n_tiles] zeros (counter, flags); agg: float64 [N_MAP, n_tiles]; incl: float64 [3, n_tiles].
+    INCL_EVERY: 1 (every tile publishes its inclusive state); tests pass k > 1 (only tiles i % k == 0 publish) so
+    that the look-back composes published maps under the interpreter too, whose programs run one after another.
     """
     vid = tl.atomic_add(ws_ptr, 1).to(tl.int64)
     i = n_tiles - 1 - vid
@@ -410,12 +413,16 @@ def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, S, gl
     v_c = _apply(c_f, c_z, 0.0, c_q, s_v, 0.0)
     ac_c = _apply(c_f, c_xc, c_yc, c_pc, s_ac, s_v)
     # publish the inclusive state at the tile's first token: M_i(carry)
-    p_i = incl_ptr + i + o_1
-    tl.store(p_i, _apply(m_f, m_xa, m_ya, m_pa, a_c, v_c))
-    tl.store(p_i + n_tiles, _apply(m_f, m_z, 0.0, m_q, v_c, 0.0))
-    tl.store(p_i + 2 * n_tiles, _apply(m_f, m_xc, m_yc, m_pc, ac_c, v_c))
-    tl.debug_barrier()
-    tl.atomic_xchg(flag + i, 2, sem="release")
+    publish = True
+    if INCL_EVERY != 1:
+        publish = i % INCL_EVERY == 0
+    if publish:
+        p_i = incl_ptr + i + o_1
+        tl.store(p_i, _apply(m_f, m_xa, m_ya, m_pa, a_c, v_c))
+        tl.store(p_i + n_tiles, _apply(m_f, m_z, 0.0, m_q, v_c, 0.0))
+        tl.store(p_i + 2 * n_tiles, _apply(m_f, m_xc, m_yc, m_pc, ac_c, v_c))
+        tl.debug_barrier()
+        tl.atomic_xchg(flag + i, 2, sem="release")
     _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
                lo, hi, s_lo, s_hi, n_bisect, gamma, a_c, v_c, ac_c, BLOCK, True, OWN_CRITIC, HAS_START)
 
@@ -464,7 +471,7 @@ _LOOKBACK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", mask_ptr="*i1", cu_ptr="*
                      gamma_lo="fp32", ws_ptr="*i32", agg_ptr="*fp64", incl_ptr="*fp64", adv_ptr="*fp32",
                      ret_ptr="*fp32", n_tiles="i64", LOG_S="i32")
 AOT_SPECS += [("_gae_lookback_kernel", _LOOKBACK_SIG, {"TILE": LOOKBACK_TILE, "BLOCK": BLOCK, "OWN_CRITIC": own,
-                                                       "HAS_START": start})
+                                                       "HAS_START": start, "INCL_EVERY": 1})
               for own, start in [(True, False), (False, False), (True, True)]]
 _CHUNK_CONSTS = dict(BLOCK=BLOCK, OWN_CRITIC=True, HAS_START=False, CARRY_BLOCK=CARRY_BLOCK)
 AOT_SPECS += [  # a usual call as the JIT types it: int32 offsets, int32 sizes
@@ -473,7 +480,7 @@ AOT_SPECS += [  # a usual call as the JIT types it: int32 offsets, int32 sizes
     ("_gae_chunk_kernel", _small(dict(_offsets("i32"), **_CHUNK_SIG)), dict(_CHUNK_CONSTS, WRITE=False, CARRY=False)),
     ("_gae_chunk_kernel", _small(dict(_offsets("i32"), **_CHUNK_SIG)), dict(_CHUNK_CONSTS, WRITE=True, CARRY=True)),
     ("_gae_lookback_kernel", _small(dict(_LOOKBACK_SIG, cu_ptr="*i32")),
-     {"TILE": LOOKBACK_TILE, "BLOCK": BLOCK, "OWN_CRITIC": True, "HAS_START": False})]
+     {"TILE": LOOKBACK_TILE, "BLOCK": BLOCK, "OWN_CRITIC": True, "HAS_START": False, "INCL_EVERY": 1})]
 
 
 @functools.lru_cache(maxsize=None)
@@ -515,15 +522,17 @@ def gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_cr
 
 
 def segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha,
-                    cross, lam_critic, seg_start=None, *, block=None, chunk=None, plan=None, tile=None):
+                    cross, lam_critic, seg_start=None, *, block=None, chunk=None, plan=None, tile=None, incl_every=1):
     """Launch the segment_gae kernels on the tensors' device (arguments: `_segment_gae_fwd`)."""
     with device_guard(loss_mask):
         return _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode,
-                                alpha, cross, lam_critic, seg_start, block=block, chunk=chunk, plan=plan, tile=tile)
+                                alpha, cross, lam_critic, seg_start, block=block, chunk=chunk, plan=plan, tile=tile,
+                                incl_every=incl_every)
 
 
 def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha,
-                     cross, lam_critic, seg_start=None, *, block=None, chunk=None, plan=None, tile=None):
+                     cross, lam_critic, seg_start=None, *, block=None, chunk=None, plan=None, tile=None,
+                     incl_every=1):
     """Launch the segment_gae kernels; arguments as `torch.ops.compactionrl_fast.segment_gae`.
 
     Args:
@@ -537,7 +546,8 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
             None picks both for the device.
         plan: "lookback" (one launch: single-pass scan with decoupled look-back over tiles of `tile` tokens)
             or None/"auto": the per-rollout or the chunk plan (COMPACTIONRL_FAST_GAE_PLAN sets the default;
-            "auto" stays the default until a GPU measurement says otherwise).
+            "auto" stays the default until a GPU measurement says otherwise). incl_every: tests only (see
+            `_gae_lookback_kernel`'s INCL_EVERY).
 
     Launches: the per-segment numbers, then one scan per rollout (chunk = 0) or the chunk plan's two passes.
     Host work: the outputs, the [4, S] numbers and the chunk plan's [N_MAP, n_chunks] maps; no device read.
@@ -567,7 +577,8 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
         _gae_lookback_kernel[(n_tiles,)](rewards, values, loss_mask, cu, start, T, S, *params.unbind(0),
                                          *_split(gamma), ws, agg, incl, adv, ret, n_tiles, log_s, TILE=tile,
                                          BLOCK=min(block, tile),
-                                         OWN_CRITIC=own, HAS_START=seg_start is not None, num_warps=NUM_WARPS)
+                                         OWN_CRITIC=own, HAS_START=seg_start is not None, INCL_EVERY=incl_every,
+                                         num_warps=NUM_WARPS)
         return adv, ret
     chunk = _chunk_size(T, R, dev, chunk, block)
     n_chunks = R if chunk == 0 else triton.cdiv(T, chunk)

@@ -544,17 +544,20 @@ LOOKBACK_KW = {"paper": dict(lam="adaptive", adaptive_length="rollout"),
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton interpreter")
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("tile,case", [(16, "odd_lengths"), (64, "empty_segments"), (64, "random"),
-                                       (1 << 15, "long_multiblock")])
-def test_lookback_plan_matches_reference(monkeypatch, mode, tile, case):
+@pytest.mark.parametrize("tile,case,incl_every", [(16, "odd_lengths", 1), (16, "odd_lengths", 3),
+                                                  (64, "empty_segments", 1), (64, "random", 1), (16, "random", 2),
+                                                  (16, "random", 1 << 20), (1 << 15, "long_multiblock", 1)])
+def test_lookback_plan_matches_reference(monkeypatch, mode, tile, case, incl_every):
     """Tiles that start, end and split segments and rollouts; 1 to many tiles; every cross-segment mode,
-    adaptive lambda on both bases; placed segments on the random case."""
+    adaptive lambda on both bases; placed segments on the random case. The interpreter runs the tiles one
+    after another, so every tile would find the next one's inclusive state: with incl_every = k only tiles
+    i % k == 0 publish it, and the look-back composes the published maps of 1, 2 or (k = 2^20) all later tiles."""
     import functools
 
     from compactionrl_fast.kernels import gae as kgae
 
     monkeypatch.setattr(kgae, "segment_gae_fwd", functools.partial(kgae.segment_gae_fwd, plan="lookback", tile=tile,
-                                                                   block=min(tile, 4096)))
+                                                                   block=min(tile, 4096), incl_every=incl_every))
     shape = random_case(4, n_rollouts=7, max_len=300) if case == "random" else SHAPE_TABLE[case]
     b = packed_batch(shape, seed=3, index_dtype=torch.int64)
     _check_backend("triton", b, cross_segment=mode, **LOOKBACK_KW[mode])

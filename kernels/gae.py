@@ -105,12 +105,14 @@ def _add(a, b):
 
 @triton.jit
 def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, start_ptr, lam_ptr, out_ptr, S, T, gamma_hi, gamma_lo, lam_hi, lam_lo, alpha_hi,
-                       alpha_lo, lamc_hi, lamc_lo, LAM_MODE: tl.constexpr, CROSS: tl.constexpr,
-                       NEED_COUNTS: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr):
+                       alpha_lo, lamc_hi, lamc_lo, ws_ptr, n_ws, LAM_MODE: tl.constexpr, CROSS: tl.constexpr,
+                       NEED_COUNTS: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, ZERO_WS: tl.constexpr):
     """Per-segment numbers of rollout `program_id` (the Triton port of csrc/common/gae_step.h rollout_params):
     out [4, S] float64 rows gl = gamma*lam_s, glc (returns), scale ((gl)^N_later or 1), reset (1: nothing
     flows in from after the segment). The trainable counts are parked in the scale row until it is written.
-    Float arguments come as float32 pairs hi + lo (Triton passes Python floats as float32; see `_split`)."""
+    Float arguments come as float32 pairs hi + lo (Triton passes Python floats as float32; see `_split`).
+    ZERO_WS: also zero ws int32 [n_ws] (the look-back plan's tile counter and flags), so that the plan needs no
+    fill launch of its own; the look-back kernel runs after this one on the same stream."""
     gamma = tl.zeros([1], tl.float64) + gamma_hi + gamma_lo
     lam = tl.zeros([1], tl.float64) + lam_hi + lam_lo
     alpha = tl.zeros([1], tl.float64) + alpha_hi + alpha_lo
@@ -122,6 +124,9 @@ def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, start_ptr, lam_ptr, out_ptr, S,
     s1 = tl.minimum(tl.maximum(tl.load(cs_ptr + r + 1).to(tl.int64), 0), S)
     end = tl.minimum(tl.maximum(tl.load(cu_ptr + s1).to(tl.int64), 0), T)  # the rollout's last token + 1
     o_b = tl.arange(0, BLOCK)
+    if ZERO_WS:
+        for b in range(r * BLOCK, n_ws, tl.num_programs(0) * BLOCK):
+            tl.store(ws_ptr + b + o_b, tl.zeros([BLOCK], tl.int32), mask=b + o_b < n_ws)
     n_roll = tl.zeros([1], tl.int64)
     if NEED_COUNTS:
         for i in range(s1 - s0):
@@ -452,11 +457,15 @@ _CHUNK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", start_ptr="*i64", T="i64", S
                   n_chunks="i64", chunk="i64")
 _PARAMS_SIG = dict(start_ptr="*i64", lam_ptr="*fp32", out_ptr="*fp64", S="i64", T="i64",
                    **{f"{k}_{p}": "fp32" for k in ("gamma", "lam", "alpha", "lamc") for p in ("hi", "lo")})
-AOT_SPECS = [("_gae_params_kernel", dict(_offsets(idx), **_PARAMS_SIG),
-              {"LAM_MODE": mode, "CROSS": cross, "NEED_COUNTS": counts, "HAS_START": start, "BLOCK": PARAMS_BLOCK})
-             for idx, mode, cross, counts, start in [("i64", 0, 0, False, False), ("i64", 2, 1, True, False),
-                                                     ("i32", 2, 1, True, False), ("i64", 1, 2, True, True),
-                                                     ("i64", 3, 1, True, True)]]
+AOT_SPECS = [("_gae_params_kernel", dict(_offsets(idx), **_PARAMS_SIG, ws_ptr="*i32" if ws else "*fp64", n_ws="i64"),
+              {"LAM_MODE": mode, "CROSS": cross, "NEED_COUNTS": counts, "HAS_START": start, "BLOCK": PARAMS_BLOCK,
+               "ZERO_WS": ws})
+             for idx, mode, cross, counts, start, ws in [("i64", 0, 0, False, False, False),
+                                                         ("i64", 2, 1, True, False, False),
+                                                         ("i32", 2, 1, True, False, False),
+                                                         ("i64", 1, 2, True, True, False),
+                                                         ("i64", 3, 1, True, True, False),
+                                                         ("i64", 2, 1, True, False, True)]]
 AOT_SPECS += [("_gae_chunk_kernel", dict(_offsets(idx), **_CHUNK_SIG),
                {"BLOCK": BLOCK, "WRITE": write, "CARRY": carry, "OWN_CRITIC": own, "HAS_START": start,
                 "CARRY_BLOCK": CARRY_BLOCK})
@@ -475,8 +484,8 @@ AOT_SPECS += [("_gae_lookback_kernel", _LOOKBACK_SIG, {"TILE": LOOKBACK_TILE, "B
               for own, start in [(True, False), (False, False), (True, True)]]
 _CHUNK_CONSTS = dict(BLOCK=BLOCK, OWN_CRITIC=True, HAS_START=False, CARRY_BLOCK=CARRY_BLOCK)
 AOT_SPECS += [  # a usual call as the JIT types it: int32 offsets, int32 sizes
-    ("_gae_params_kernel", _small(dict(_offsets("i32"), **_PARAMS_SIG)),
-     {"LAM_MODE": 2, "CROSS": 1, "NEED_COUNTS": True, "HAS_START": False, "BLOCK": PARAMS_BLOCK}),
+    ("_gae_params_kernel", _small(dict(_offsets("i32"), **_PARAMS_SIG, ws_ptr="*fp64", n_ws="i64")),
+     {"LAM_MODE": 2, "CROSS": 1, "NEED_COUNTS": True, "HAS_START": False, "BLOCK": PARAMS_BLOCK, "ZERO_WS": False}),
     ("_gae_chunk_kernel", _small(dict(_offsets("i32"), **_CHUNK_SIG)), dict(_CHUNK_CONSTS, WRITE=False, CARRY=False)),
     ("_gae_chunk_kernel", _small(dict(_offsets("i32"), **_CHUNK_SIG)), dict(_CHUNK_CONSTS, WRITE=True, CARRY=True)),
     ("_gae_lookback_kernel", _small(dict(_LOOKBACK_SIG, cu_ptr="*i32")),
@@ -505,19 +514,22 @@ def _split(x: float):
     return hi, float(np.float32(x - hi))
 
 
-def gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic, seg_start=None):
+def gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic, seg_start=None, ws=None):
     """Per-segment numbers: float64 [4, S] rows gamma*lam_s, gamma*lam_critic_s, scale_s, reset_s.
     mask: [T] bool/uint8; cu: [S+1], cs: [R+1] int32/int64 (read clamped); lam_seg: [S] float32 or None;
-    seg_start: [S] int64 where each segment's tokens start (None: at cu[s])."""
+    seg_start: [S] int64 where each segment's tokens start (None: at cu[s]); ws: int32 [n] or None, zeroed by
+    the same launch (needs R >= 1)."""
     S, R, T = cu.numel() - 1, cs.numel() - 1, mask.numel()
     params = torch.empty(4, S, dtype=torch.float64, device=mask.device)
     if R:
         need_counts = cross == CROSS_PAPER or lam_mode in (LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT)
         _gae_params_kernel[(R,)](mask, cu, cs, cu if seg_start is None else seg_start,
                                  params if lam_seg is None else lam_seg, params, S, T,
-                                 *_split(gamma), *_split(lam), *_split(alpha), *_split(lam_critic), LAM_MODE=lam_mode,
+                                 *_split(gamma), *_split(lam), *_split(alpha), *_split(lam_critic),
+                                 params if ws is None else ws, 0 if ws is None else ws.numel(), LAM_MODE=lam_mode,
                                  CROSS=cross, NEED_COUNTS=need_counts, HAS_START=seg_start is not None,
-                                 BLOCK=PARAMS_BLOCK if mask.device.type == "cuda" else INTERPRET_BLOCK)
+                                 BLOCK=PARAMS_BLOCK if mask.device.type == "cuda" else INTERPRET_BLOCK,
+                                 ZERO_WS=ws is not None)
     return params
 
 
@@ -549,7 +561,8 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
             "auto" stays the default until a GPU measurement says otherwise). incl_every: tests only (see
             `_gae_lookback_kernel`'s INCL_EVERY).
 
-    Launches: the per-segment numbers, then one scan per rollout (chunk = 0) or the chunk plan's two passes.
+    Launches: the per-segment numbers, then one scan per rollout (chunk = 0), the chunk plan's two passes, or
+    the look-back scan (its tile counter and flags zeroed by the first launch).
     Host work: the outputs, the [4, S] numbers and the chunk plan's [N_MAP, n_chunks] maps; no device read.
 
     Returns:
@@ -567,11 +580,14 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
     cu, cs = cu_seqlens, cu_segments
     start = cu if seg_start is None else seg_start  # placed segments: segment s starts at start[s]
     own, log_s = lam_critic >= 0.0, max(1, S.bit_length())
-    params = gae_params(loss_mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic, seg_start)
-    if (plan or os.environ.get("COMPACTIONRL_FAST_GAE_PLAN", "auto")) == "lookback":
+    lookback = (plan or os.environ.get("COMPACTIONRL_FAST_GAE_PLAN", "auto")) == "lookback"
+    if lookback:
         tile = tile or (LOOKBACK_TILE if dev.type == "cuda" else block)
         n_tiles = triton.cdiv(T, tile)
-        ws = torch.zeros(1 + n_tiles, dtype=torch.int32, device=dev)  # tile counter, flags
+        ws = empty(1 + n_tiles, dtype=torch.int32, device=dev)  # tile counter, flags: zeroed by gae_params
+    params = gae_params(loss_mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic, seg_start,
+                        ws if lookback else None)
+    if lookback:
         agg = torch.empty(N_MAP, n_tiles, dtype=torch.float64, device=dev)
         incl = torch.empty(3, n_tiles, dtype=torch.float64, device=dev)
         _gae_lookback_kernel[(n_tiles,)](rewards, values, loss_mask, cu, start, T, S, *params.unbind(0),

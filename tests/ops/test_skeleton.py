@@ -289,7 +289,7 @@ def _count_triton_launches(monkeypatch):
 def test_gae_triton_launch_count(monkeypatch, chunk, cross, lam, want, plan):
     """Kernel launches per call under the interpreter: the per-rollout plan is 2 (the per-segment numbers, the
     scan); the chunk plan for few long rollouts is 3 (numbers, chunk maps, the write pass that composes the
-    later chunks' maps itself); the single-pass look-back plan is 2 (plus the zero fill of its flags)."""
+    later chunks' maps itself); the single-pass look-back plan is 2 (its flags zeroed by the first)."""
     import functools
 
     from compactionrl_fast.kernels import gae as kgae
@@ -370,8 +370,9 @@ def test_segment_gae_cuda_glue_launches_and_ops(monkeypatch, name, R, per, idx, 
 
 @pytest.mark.skipif(not _dispatch.has_triton(), reason="the CUDA default backend is triton")
 def test_segment_gae_cuda_glue_lookback_plan(monkeypatch):
-    """The look-back plan on fake CUDA tensors: the per-segment numbers, then one launch with a program per
-    tile of LOOKBACK_TILE tokens, BLOCK tokens per step (the sizes tests/test_aot.py compiles); no host read."""
+    """The look-back plan on fake CUDA tensors: the per-segment numbers (which also zero the tile counter and
+    flags), then one launch with a program per tile of LOOKBACK_TILE tokens, BLOCK tokens per step (the sizes
+    tests/test_aot.py compiles); no host read, and no fill launch: the only ops are allocations."""
     from compactionrl_fast.kernels import gae as kgae
 
     launches = []
@@ -396,8 +397,12 @@ def test_segment_gae_cuda_glue_lookback_plan(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(torch.ops.compactionrl_fast, "segment_gae_triton", lambda *a: calls.append(a) or (x, x))
             crf.segment_gae(x, x, mask, cu, cs)
-        kgae._segment_gae_fwd(*calls[0])
+        with CountOps() as counter:
+            kgae._segment_gae_fwd(*calls[0])
     assert [n for n, _, _ in launches] == ["_gae_params_kernel", "_gae_lookback_kernel"], launches
+    assert set(counter.ops) == {"aten.empty.memory_format", "aten.unbind.int"}, counter.ops  # unbind: views
+    _, grid, kw = launches[0]
+    assert kw["ZERO_WS"] and grid == (R,)
     _, grid, kw = launches[1]
     assert grid == (-(-T // kgae.LOOKBACK_TILE),) and kw["TILE"] == kgae.LOOKBACK_TILE and kw["BLOCK"] == kgae.BLOCK
     assert kw["num_warps"] == kgae.NUM_WARPS

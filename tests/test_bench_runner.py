@@ -123,3 +123,39 @@ def test_report_rewrites_only_the_results_section(fake_root, tmp_path):
     readme.write_text("no markers\n")
     with pytest.raises(SystemExit, match="results:start"):
         report.main(["--results", str(results), "--readme", str(readme)])
+
+
+@pytest.mark.skipif("triton" not in __import__("compactionrl_fast").available_backends(__import__("torch").device("cpu")),
+                    reason="needs the Triton interpreter")
+def test_bench_gae_gpu_plan_rows_run_under_the_interpreter(monkeypatch):
+    """`bench_gae.py --gpu-plans` (gpu_check's gae_plans stage) times the Triton default plan and the look-back
+    plan, code that otherwise runs only on a GPU: here both run on CPU tensors (Triton interpreted), the
+    look-back row really launches the look-back kernel, and both agree with the C++ backend."""
+    import types
+
+    import torch
+
+    from benchmarks import bench_gae as B
+    from compactionrl_fast.kernels import gae as kgae
+
+    monkeypatch.setattr(B, "available", lambda device: ["cpp", "triton", "torch"])
+    launched = []
+    real = kgae._gae_lookback_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(kgae, "_gae_lookback_kernel", Spy())
+    b = B.make_batch(5, 700, 0, True)
+    rows = B.formulations(b, types.SimpleNamespace(type="cuda"), oracle=False, loops=False, plans=True)
+    fns = {name: fn for name, fn, _, _ in rows}
+    assert {"triton", "triton recipe", "triton lookback"} <= set(fns), sorted(fns)
+    want = fns["cpp"]()
+    assert not launched
+    for name in ("triton", "triton lookback"):
+        got = fns[name]()
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert len(launched) == 1

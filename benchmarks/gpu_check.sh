@@ -199,7 +199,6 @@ else
   record gae_plans FAIL $((SECONDS - t0)) "(log: gae_plans.log)"; tail -n 15 "$OUT/gae_plans.log"
 fi
 
-
 # ---- benchmarks: quick sizes, no python-loop baselines
 t0=$SECONDS
 lim=$(budget 90)

@@ -449,7 +449,7 @@ def _offsets(idx):
 
 
 def _small(sig):
-    return {k: "i32" if k in ("T", "S", "n_chunks", "chunk", "n_tiles") else v for k, v in sig.items()}
+    return {k: "i32" if k in ("T", "S", "n_chunks", "chunk", "n_tiles", "n_ws") else v for k, v in sig.items()}
 
 
 _CHUNK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", start_ptr="*i64", T="i64", S="i64", LOG_S="i32", params_ptr="*fp64",

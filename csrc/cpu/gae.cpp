@@ -196,7 +196,8 @@ struct ChainScan {
   template <bool W>
   CRF_FMA void finish_fma(Lane& l) const { finish_body<W>(l); }
   template <bool W>
-  void finish(Lane& l) const { simd == kScalar ? finish_body<W>(l) : finish_fma<W>(l); }
+  void finish_w(Lane& l) const { simd == kScalar ? finish_body<W>(l) : finish_fma<W>(l); }
+  void finish(Lane& l) const { l.write ? finish_w<true>(l) : finish_w<false>(l); }
 
   // `n` lanes in lockstep for `steps` tokens each, one token of every lane per step: the lanes' recurrences
   // are independent, so their latencies overlap.
@@ -388,10 +389,10 @@ struct ChainScan {
         if (!refilled) lane[k] = lane[--live];  // the queue is empty: the last lane moves here
       }
     }
-    for (int k = 0; k < live; ++k) lane[k].write ? finish<true>(lane[k]) : finish<false>(lane[k]);
+    for (int k = 0; k < live; ++k) finish(lane[k]);
     for (; next < n; ++next) {
       Lane l;
-      if (start_chain(l, chains[next])) l.write ? finish<true>(l) : finish<false>(l);
+      if (start_chain(l, chains[next])) finish(l);
     }
   }
 };

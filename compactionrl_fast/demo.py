@@ -25,6 +25,7 @@ from . import _io
 from .train import checkpoint
 from ._git import git_revision
 from .train.config import TrainConfig, dumps, to_dict, update
+from .train.engines import make_engine
 from .train.threads import make_tuner, maybe_step
 from .train.trainer import (EVAL_SEED_BASE, MetricsLog, evaluate, fit, load_state, make_state, save_state,
                             split_rollouts, world)
@@ -104,16 +105,17 @@ def run_sft(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, log=None, progress
     return m
 
 
-def run_rl(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, progress=True, resume=False, tuner=None):
-    """Critic from the actor, value pre-training, PPO. Returns the trained State."""
-    from .rollout.engines.transformers_engine import TransformersEngine
+def run_rl(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, progress=True, resume=False, tuner=None, engine=None):
+    """Critic from the actor, value pre-training, PPO. Returns the trained State. `engine`: the rollout
+    engine (default: `make_engine(cfg, actor, tok)`); `fit` syncs one that does not share the actor."""
+    from .train.engines import make_engine
     from .train.model import critic_from_actor
 
     critic = critic_from_actor(actor)
     state = make_state(cfg, actor, critic)
     if resume and checkpoint.exists(cfg.run_dir):
         load_state(state, cfg.run_dir)
-    engine = TransformersEngine(actor, pad_token_id=tok.pad_token_id)
+    engine = engine or make_engine(cfg, actor, tok)
     total = cfg.value_pretrain_steps + cfg.steps
     desc = ("RL-abl " if not cfg.train_summary_tokens else "RL     ") + f"seed {cfg.seed}"
     bar = _tqdm(total=total, initial=state.step, desc=desc, disable=not progress or world()[0] != 0)
@@ -127,11 +129,16 @@ def run_rl(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, progress=True, resu
     return state
 
 
-def run_eval(actor, tok, make_envs, rcfg, n: int, temperature: float, *, progress=True, desc="eval") -> dict:
-    """Success on `n` held-out tasks, sampled at `temperature` and greedy (with a progress bar)."""
+def run_eval(actor, tok, make_envs, rcfg, n: int, temperature: float, *, progress=True, desc="eval",
+             engine=None) -> dict:
+    """Success on `n` held-out tasks, sampled at `temperature` and greedy (with a progress bar), on `engine`
+    (given the actor's weights first) or the embedded engine on the actor."""
     from .rollout.engines.transformers_engine import TransformersEngine
+    from .train.sync import push_weights
 
-    engine = TransformersEngine(actor, pad_token_id=tok.pad_token_id)
+    if engine is None:
+        engine = TransformersEngine(actor, pad_token_id=tok.pad_token_id)
+    push_weights(engine, actor)
     out = {}
     rank, ws = world()
     bar = _tqdm(total=2 * len(range(rank, n, ws)), desc=desc, unit="rollout", disable=not progress or rank != 0)
@@ -184,9 +191,10 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
     out_dir = out_dir or cfg.run_dir
     progress = cfg.progress if progress is None else progress
     record_root = _checkout_root() if record else None  # fail before hours of training, not after
-    tuner = make_tuner(cfg.threads)
     t0, c0 = time.time(), time.process_time()
     tok, make_envs, rcfg = task(cfg)
+    shared = _shared_engine(cfg, tok)  # vLLM: one engine for every run, synced to each model
+    tuner = make_tuner(cfg.threads)
     results = {"command": "python -m compactionrl_fast " + " ".join(argv), "config": to_dict(cfg),
                "machine": _machine(cfg.threads), "versions": versions(), "runs": {}}
     for seed in seeds:
@@ -203,18 +211,20 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
         if scfg.sft.steps > 0:
             plot_run(os.path.join(root, "sft"))
         sft_weights = copy.deepcopy(actor.state_dict())
+        engine = shared or make_engine(scfg, actor, tok)
         res["sft"] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature, progress=progress,
-                              desc=f"eval   seed {seed} SFT")
+                              desc=f"eval   seed {seed} SFT", engine=engine)
         _print_eval(f"seed {seed} SFT", res["sft"])
         variants = [("full", True)] + ([("ablation", False)] if seed in ablation_seeds else [])
         for vname, train_summaries in variants:
             t = time.time()
             actor.load_state_dict(sft_weights)
             vcfg = update(scfg, {"run_dir": os.path.join(root, vname), "train_summary_tokens": train_summaries})
-            run_rl(vcfg, actor, tok, make_envs, rcfg, tuner=tuner, progress=progress)
+            run_rl(vcfg, actor, tok, make_envs, rcfg, tuner=tuner, progress=progress, engine=engine)
             res[f"{vname}_time_s"] = time.time() - t
+            res[f"{vname}_phases_s"] = _phase_times(vcfg.run_dir)
             res[vname] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature, progress=progress,
-                                  desc=f"eval   seed {seed} {vname}")
+                                  desc=f"eval   seed {seed} {vname}", engine=engine)
             _print_eval(f"seed {seed} {vname}", res[vname])
             plot_run(vcfg.run_dir)
     results["total_time_s"] = time.time() - t0
@@ -222,6 +232,7 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
     results["machine"]["loadavg_end"] = os.getloadavg()
     if tuner is not None:  # which thread count won each probing window
         results["machine"]["threads_chosen"] = [best for _, _, best in tuner.history]
+        results["machine"]["threads_tuner_stood_down"] = tuner.locked
     results["summary"] = _summary(results)
     _write(results, out_dir, name)
     print(_table(results))
@@ -236,6 +247,27 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
         print(f"recorded in {os.path.join(record_root, 'benchmarks', 'results', name)}.{{json,md,png}} and README.md")
     print(targets_line(results["summary"]["targets"]))  # the last line: did the run meet the demo's targets
     return results
+
+
+def _shared_engine(cfg: TrainConfig, tok):
+    """The vLLM engine every run of the demo uses (started once, from a model of the demo's shape); None for
+    the embedded engine, which is built on each actor."""
+    if cfg.engine != "vllm":
+        return None
+    from .train.engines import describe, make_engine
+
+    engine = make_engine(cfg, build(cfg, tok), tok)
+    if describe(engine):
+        print(describe(engine), flush=True)
+    return engine
+
+
+def _phase_times(run_dir: str) -> dict:
+    """Seconds an RL run spent in rollouts, training and weight sync (from its metrics.jsonl)."""
+    from .train.trainer import read_rows
+
+    rows = read_rows(os.path.join(run_dir, "metrics.jsonl"))
+    return {k: sum(r.get("time/" + k + "_s", 0.0) for r in rows) for k in ("rollout", "train", "weight_sync")}
 
 
 def _checkout_root() -> str:
@@ -363,6 +395,15 @@ def _table(results) -> str:
             label = {"sft": "SFT start", "full": "CompactionRL", "ablation": "ablation: summaries out of the loss"}[k]
             lines.append(f"| {seed} | {label} | {f(s['success'])} | {f(g['success'])} | {f(s['accuracy'])} | "
                          f"{f(s['summary_recall'])} | {r.get(k + '_time_s', 0) / 60:.1f} |")
+    engine = results["config"].get("engine", "transformers")
+    for seed, r in results["runs"].items():
+        for k in ("full", "ablation"):
+            ph = r.get(k + "_phases_s")
+            if ph and r.get(k + "_time_s"):
+                share = {n: 100 * v / r[k + "_time_s"] for n, v in ph.items()}
+                lines.append(f"seed {seed} {k} RL ({engine} engine): rollouts {share['rollout']:.0f}%, training "
+                             f"{share['train']:.0f}%, weight sync {share['weight_sync']:.1f}% of "
+                             f"{r[k + '_time_s'] / 60:.1f} min")
     return "\n".join(lines)
 
 

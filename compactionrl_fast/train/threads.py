@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -37,6 +38,16 @@ class ThreadTuner:
         self._times: dict = {}
         self._last = -float("inf")  # end of the last probing window
         self.history: list = []  # (time, {threads: min seconds}, chosen) per window
+        self.locked = False  # set_num_threads had no effect: the tuner stood down
+
+    def _stand_down(self, wanted: int) -> None:
+        """torch ignored set_num_threads (vLLM's CPU worker in this process makes it a no-op): stop probing
+        and say so, rather than time and report counts that never took effect."""
+        got = torch.get_num_threads()
+        warnings.warn(f"threads='auto': torch.set_num_threads({wanted}) had no effect (torch keeps {got} threads; "
+                      f"vLLM in this process does this); the tuner stands down at {got}", RuntimeWarning,
+                      stacklevel=3)
+        self.choices, self.best, self._queue, self.locked = [got], got, [], True
 
     @contextmanager
     def step(self):
@@ -46,6 +57,10 @@ class ThreadTuner:
         n = self._queue[0] if self._queue else self.best
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
+        if torch.get_num_threads() != n:
+            self._stand_down(n)
+            yield torch.get_num_threads()
+            return
         t = time.perf_counter()
         yield n
         if self._queue:
@@ -65,6 +80,9 @@ def make_tuner(threads) -> ThreadTuner | None:
         raise ValueError(f"threads must be 'auto' or a non-negative integer, got {threads!r}")
     if threads:
         torch.set_num_threads(threads)
+        if torch.get_num_threads() != threads:
+            warnings.warn(f"threads={threads}: torch.set_num_threads had no effect, torch keeps "
+                          f"{torch.get_num_threads()} threads", RuntimeWarning, stacklevel=2)
     return None
 
 

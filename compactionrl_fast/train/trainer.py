@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .. import _io
 from . import checkpoint, diagnostics
+from .sync import check_sampler, push_weights
 from .config import TrainConfig, to_dict, validate
 from .model import action_index, actor_logprobs, critic_hidden
 from .threads import maybe_step
@@ -47,6 +48,16 @@ def global_sum(x: float, group=None) -> float:
     dev = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     t = torch.tensor([float(x)], dtype=torch.float64, device=dev)
     dist.all_reduce(t, group=group)
+    return float(t)
+
+
+def global_max(x: float, group=None) -> float:
+    """Max of `x` over ranks (NaN counts as +inf)."""
+    if world()[1] == 1:
+        return float(x)
+    dev = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor([float(x) if not math.isnan(x) else math.inf], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t)
 
 
@@ -208,12 +219,21 @@ def _scatter(idx, values, T):
     return torch.zeros(T, dtype=torch.float32, device=idx.device).index_put_((idx,), values.float())
 
 
+def sampler_gap(behaviour, batch, idx):
+    """max |trainer log-prob - sampler log-prob| over the trainable tokens `idx` [N] (0 when N = 0), a 0-d
+    tensor; `behaviour` [N]: the trainer's log-probs before any update of this step."""
+    d = (behaviour.detach().float() - batch.rollout_logprobs[idx].float()).abs()
+    return torch.cat([d, d.new_zeros(1)]).max()
+
+
 def train_step(state: State, batches: list, *, update_actor: bool = True, diagnose: bool = True,
-               gap: bool = False, minibatches: list | None = None) -> dict:
+               gap: bool = False, minibatches: list | None = None, check_sampler: bool = False) -> dict:
     """One PPO step over this rank's micro-batches (PackedBatch each, whole rollouts). Returns metrics.
 
     `minibatches`: lists of indices into `batches`, one actor optimiser step each, repeated for
     cfg.ppo_epochs (default: all micro-batches in one step). Every rank must pass the same number.
+    `sampler/logp_absdiff_max` (the sampler-vs-learner gap, `sampler_gap`) is measured at every actor
+    update for free, and with an extra actor forward on a critic-only step when `check_sampler`.
     """
     cfg, actor, critic, group = state.cfg, state.actor, state.critic, state.group
     from ..ops import value_head, value_loss
@@ -261,13 +281,19 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
             for i, b in enumerate(batches):
                 if i not in skip and any(i in mb for mb in minibatches):
                     old[i] = actor_logprobs(actor, b, idx[i], temperature=cfg.temperature)
-        acc = _Mean()
+        acc, gaps = _Mean(), []
         for _ in range(cfg.ppo_epochs):
             for mb in minibatches:
                 sub = lambda xs: [xs[j] for j in mb]  # noqa: E731
-                acc.add(_actor_update(state, sub(batches), sub(idx), sub(adv), sub(old)), 1.0)
+                acc.add(_actor_update(state, sub(batches), sub(idx), sub(adv), sub(old), gaps), 1.0)
         out.update(acc.result())
         out["actor/lr"] = lr
+    elif check_sampler:
+        with torch.no_grad():
+            gaps = [sampler_gap(actor_logprobs(actor, b, idx[i], temperature=cfg.temperature), b, idx[i])
+                    for i, b in enumerate(batches)]
+    if update_actor or check_sampler:
+        out["sampler/logp_absdiff_max"] = float(torch.stack(gaps).max()) if gaps else 0.0
     # ---- diagnostics on the whole local batch
     if diagnose:
         d = _Mean()
@@ -285,9 +311,10 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
     return out
 
 
-def _actor_update(state, batches, idx, adv, old) -> dict:
+def _actor_update(state, batches, idx, adv, old, gaps) -> dict:
     """One actor optimiser step over micro-batches; `old`: behaviour log-probs [N] per micro-batch, None
-    where the current policy is the behaviour policy (its log-probs detached: ratio 1 in value)."""
+    where the current policy is the behaviour policy (its log-probs detached: ratio 1 in value). Appends
+    each micro-batch's sampler gap (behaviour vs rollout log-probs) to `gaps`."""
     from ..ops import ppo_policy_loss
 
     cfg, actor, group = state.cfg, state.actor, state.group
@@ -300,6 +327,7 @@ def _actor_update(state, batches, idx, adv, old) -> dict:
         logp, ent = actor_logprobs(actor, b, idx[i], temperature=cfg.temperature, return_entropy=True)
         cu, m = sel_p[i]
         rollout_lp = b.rollout_logprobs[idx[i]].float()
+        gaps.append(sampler_gap(logp if old[i] is None else old[i], b, idx[i]))
         loss, met = ppo_policy_loss(logp, logp.detach() if old[i] is None else old[i], adv[i][idx[i]], m,
                                     cu_seqlens=cu, cu_segments=b.cu_segments, clip_low=cfg.clip_low,
                                     clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
@@ -463,7 +491,9 @@ def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_di
     """Value pre-training then PPO, from `state.step` to `value_pretrain_steps + steps` iterations.
 
     Args:
-        engine: generation engine sharing (or loading) the actor's weights.
+        engine: generation engine; one that does not share the actor's parameters (`shares_weights`) gets
+            the actor's weights at the start and after every actor update (`time/weight_sync_s`), and
+            every step checks the sampler-vs-learner gap against cfg.sampler_logp_tol.
         make_envs: n -> list of n environments. rollout_cfg: RolloutConfig.
         pack: rollouts -> PackedBatch. eval_fn: (state) -> dict, called every cfg.eval_every actor steps.
         metrics_fn: rollouts -> dict of task-specific metrics logged with each step (this rank's rollouts).
@@ -479,6 +509,8 @@ def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_di
     device = next(state.actor.parameters()).device
     total = cfg.value_pretrain_steps + cfg.steps
     log = log or MetricsLog(run_dir, resume_step=state.step)
+    sync_s = push_weights(engine, state.actor)  # the start of RL: after SFT, after a resume
+    first = True
     while state.step < total:
         it = state.step
         pretrain = it < cfg.value_pretrain_steps
@@ -491,8 +523,11 @@ def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_di
             t1 = time.perf_counter()
             batches, minibatches = micro_batches(rollouts, cfg, pack, device)
             gap = bool(cfg.gap_every) and (it % cfg.gap_every == 0)
-            metrics = train_step(state, batches, update_actor=not pretrain, gap=gap, minibatches=minibatches)
+            metrics = train_step(state, batches, update_actor=not pretrain, gap=gap, minibatches=minibatches,
+                                 check_sampler=first)
             t2 = time.perf_counter()
+            if not pretrain:
+                sync_s += push_weights(engine, state.actor)
         rm = rollout_metrics(rollouts)
         if ws > 1:  # the fixed keys are averaged over ranks; the environments' info keys stay rank 0's
             rm.update({k: global_sum(v, state.group) / ws for k, v in rm.items() if not k.startswith("info/")})
@@ -500,13 +535,19 @@ def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_di
         if metrics_fn is not None:
             metrics.update(metrics_fn(rollouts))
         metrics.update({"phase": "value_pretrain" if pretrain else "ppo", "time/rollout_s": t1 - t0,
-                        "time/train_s": t2 - t1, "threads": threads,
+                        "time/train_s": t2 - t1, "time/weight_sync_s": sync_s, "threads": threads,
                         "actor_step": max(0, it + 1 - cfg.value_pretrain_steps)})
         state.step = it + 1
         if eval_fn is not None and not pretrain and cfg.eval_every and (state.step - cfg.value_pretrain_steps) % cfg.eval_every == 0:
             metrics.update(eval_fn(state))
-        if it % cfg.log_every == 0 or state.step == total:
+        gap_now = metrics.get("sampler/logp_absdiff_max")
+        if gap_now is not None and ws > 1:  # every rank sees the same gap, so all raise or none
+            gap_now = metrics["sampler/logp_absdiff_max"] = global_max(gap_now, state.group)
+        bad = cfg.sampler_logp_tol is not None and gap_now is not None and not gap_now <= cfg.sampler_logp_tol
+        if it % cfg.log_every == 0 or state.step == total or bad:
             log.log(it, metrics)
+        check_sampler(gap_now, cfg.sampler_logp_tol, it, engine)
+        sync_s, first = 0.0, False
         if progress is not None:
             progress.update(1)
             progress.set_postfix(succ=f"{metrics['success']:.2f}", R=f"{metrics['reward']:.2f}",

@@ -381,9 +381,22 @@ class _FakeWorld:
         monkeypatch.setattr(trainer.dist, "get_backend", lambda group=None: self.backend_groups.append(group) or backend)
         monkeypatch.setattr(trainer.dist, "all_reduce", self.all_reduce)
 
-    def all_reduce(self, t, group=None):
+    def all_reduce(self, t, op=None, group=None):
         self.calls.append((t.dtype, t.device.type, t.numel(), group))
-        t.add_(t + torch.arange(1, t.numel() + 1, dtype=t.dtype))
+        other = t + torch.arange(1, t.numel() + 1, dtype=t.dtype)
+        if op == torch.distributed.ReduceOp.MAX:
+            t.copy_(torch.maximum(t, other))
+        else:
+            t.add_(other)
+
+
+def test_global_max_in_a_two_rank_world(monkeypatch):
+    from compactionrl_fast.train.trainer import global_max
+
+    assert global_max(2.5) == 2.5
+    w = _FakeWorld(monkeypatch)
+    assert global_max(3.0, group="g") == 4.0 and w.calls == [(torch.float64, "cpu", 1, "g")]
+    assert global_max(float("nan")) == float("inf")  # a NaN gap on any rank fails the guard on every rank
 
 
 def test_global_sum_and_all_reduce_grads_in_a_two_rank_world(monkeypatch):

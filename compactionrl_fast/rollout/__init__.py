@@ -1,4 +1,6 @@
-"""The compaction rollout runtime: config, the batched loop, compaction, records, engines."""
+"""The compaction rollout runtime: config, the batched loop, compaction, records, engines,
+segments from call logs."""
+from .calls import Call, calls_from_rollout, loop_summary_suffix, rollout_from_calls
 from .compaction import ChatFormat, needs_compaction, rebuild
 from .config import RESUME_TEMPLATE, SUMMARY_INSTRUCTION, RolloutConfig
 from .engines import Engine, Generation, TransformersEngine, VLLMEngine, vllm_available
@@ -7,4 +9,5 @@ from .records import Rollout, Segment, Turn
 
 __all__ = ["RolloutConfig", "SUMMARY_INSTRUCTION", "RESUME_TEMPLATE", "ChatFormat", "needs_compaction", "rebuild",
            "Engine", "Generation", "TransformersEngine", "VLLMEngine", "vllm_available", "Environment",
-           "run_rollouts", "arun_rollouts", "Rollout", "Segment", "Turn"]
+           "run_rollouts", "arun_rollouts", "Rollout", "Segment", "Turn",
+           "Call", "rollout_from_calls", "calls_from_rollout", "loop_summary_suffix"]

@@ -191,10 +191,10 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
     out_dir = out_dir or cfg.run_dir
     progress = cfg.progress if progress is None else progress
     record_root = _checkout_root() if record else None  # fail before hours of training, not after
+    tuner = make_tuner(cfg.threads)  # before vLLM starts: in this process it fixes torch's thread count
     t0, c0 = time.time(), time.process_time()
     tok, make_envs, rcfg = task(cfg)
     shared = _shared_engine(cfg, tok)  # vLLM: one engine for every run, synced to each model
-    tuner = make_tuner(cfg.threads)
     results = {"command": "python -m compactionrl_fast " + " ".join(argv), "config": to_dict(cfg),
                "machine": _machine(cfg.threads), "versions": versions(), "runs": {}}
     for seed in seeds:

@@ -347,7 +347,7 @@ HELP = {
     "sampler_logp_tol": "sampler-vs-learner guard: the run stops with an error when the rollout log-probs and the "
                         "trainer's log-probs of the same tokens (before the step's update) differ by more than "
                         "this anywhere (logged every step as sampler/logp_absdiff_max); float32 engines agree to "
-                        "~1e-5, a bfloat16 engine needs about 0.5; null: off",
+                        "~1e-5; a bfloat16 engine needs about 0.5 (docs/vllm.md); null: off",
     "log_every": "write a metrics row every N steps",
     "gap_every": "every N steps log the gap between the paper's and the stitched advantages (0: never)",
     "eval_every": "evaluate every N actor updates (0: no evaluation during training)",

@@ -6,7 +6,7 @@ samples from (after temperature), the quantity the trainer computes as log_softm
 top_p < 1 they are those of the truncated distribution: keep top_p = 1 for exact PPO ratios).
 
 Layout: the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless the caller set it).
-The engine core in its own process started and generated several times slower on the 2-core CPU machine
+The engine core in its own process started ~2x and generated 1.6-2.3x slower on the 2-core CPU machine
 (benchmarks/results/vllm-cpu.md has the measurement). In this process vLLM's CPU
 worker replaces `torch.set_num_threads` with a no-op for the whole process; the engine records that in
 `threads_locked` (the trainer's thread tuner then stands down and says so) and `close()` restores it.

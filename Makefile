@@ -6,7 +6,7 @@ PIP_DEPS = torch==2.13.0 triton numpy pytest pytest-benchmark transformers token
 CONSTRAINTS ?= constraints.txt
 PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: install build test test-vllm ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-rollout test-integrations check-cuda-build demo clean mutate
+.PHONY: install build test test-vllm ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-check bench-rollout test-integrations check-cuda-build demo clean mutate
 
 install:            ## venv, dependencies (versions from constraints.txt), and the C++ extension; about 8 min
 	@echo "==> [1/4] virtual environment .venv"
@@ -52,6 +52,9 @@ bench:              ## every op's benchmark against its reference, table + JSON 
 
 bench-quick:        ## CI-sized benchmark suite (about 1 min)
 	$(PY) -m benchmarks --quick
+
+bench-check:        ## (CI) each op's 1-thread speed-up over its reference vs its floor (about 30 s)
+	$(PY) benchmarks/check_speedups.py --json build/bench-check.json
 
 bench-rollout:      ## rollouts/s and tokens/s on the memory task: the embedded engine, and vLLM beside it (after make test-vllm)
 	$(PY) -m compactionrl_fast.rollout.bench --threads 1 --expert-warmup 300 --batch 64 256

@@ -131,6 +131,36 @@ def time_fn(fn, device="cpu", *, warmup=2, budget_s=1.0, min_reps=3, max_reps=10
     return {"median_ms": statistics.median(times), "min_ms": min(times), "reps": reps, "faults_per_call": faults}
 
 
+def time_round_robin(fns, device, *, budget_s, min_reps=3, max_reps=20):
+    """{name: timing} with one call of every formulation per round, so that the load of a shared machine
+    drifts over all of them alike (calls take seconds on a CPU). Median and min wall ms, and the median
+    process CPU ms (all threads) of each; the caller has run every fn once already (the warm-up)."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    est = 0.0
+    for fn in fns.values():
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        est += time.perf_counter() - t0
+    reps = int(min(max_reps, max(min_reps, math.ceil(budget_s / max(est, 1e-9)))))
+    wall, cpu = {n: [] for n in fns}, {n: [] for n in fns}
+    gc.disable()
+    try:
+        for _ in range(reps):
+            for name, fn in fns.items():
+                sync()
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                sync()
+                wall[name].append((time.perf_counter() - t0) * 1e3)
+                cpu[name].append((time.process_time() - c0) * 1e3)
+    finally:
+        gc.enable()
+    return {n: {"median_ms": statistics.median(wall[n]), "min_ms": min(wall[n]), "reps": reps,
+                "cpu_ms": statistics.median(cpu[n])} for n in fns}
+
+
 def _cpu_peak_bytes(fn):
     from torch._C._profiler import _EventType  # private, but the only record of CPU allocation order
     from torch.profiler import ProfilerActivity, profile

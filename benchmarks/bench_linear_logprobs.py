@@ -25,12 +25,8 @@ work each row does.
 from __future__ import annotations
 
 import argparse
-import gc
-import math
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -120,36 +116,6 @@ def check(name, got, want, dtype):
             raise AssertionError(f"{name} disagrees with naive on {what}: max-relative error {err:.2e} >= {tol}")
 
 
-def time_round_robin(fns, device, *, budget_s, min_reps=3, max_reps=20):
-    """{name: timing} with one call of every formulation per round, so that the load of a shared machine
-    drifts over all of them alike (calls take seconds on a CPU). Median and min wall ms, and the median
-    process CPU ms (all threads) of each; the caller has run every fn once already (the warm-up)."""
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    est = 0.0
-    for fn in fns.values():
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        est += time.perf_counter() - t0
-    reps = int(min(max_reps, max(min_reps, math.ceil(budget_s / max(est, 1e-9)))))
-    wall, cpu = {n: [] for n in fns}, {n: [] for n in fns}
-    gc.disable()
-    try:
-        for _ in range(reps):
-            for name, fn in fns.items():
-                sync()
-                t0, c0 = time.perf_counter(), time.process_time()
-                fn()
-                sync()
-                wall[name].append((time.perf_counter() - t0) * 1e3)
-                cpu[name].append((time.process_time() - c0) * 1e3)
-    finally:
-        gc.enable()
-    return {n: {"median_ms": statistics.median(wall[n]), "min_ms": min(wall[n]), "reps": reps,
-                "cpu_ms": statistics.median(cpu[n])} for n in fns}
-
-
 def bench_shape(shape, spec, device, *, budget_s):
     T, Hd, V, dtype = spec
     h, w, y = make_inputs(T, Hd, V, dtype, device)
@@ -166,7 +132,7 @@ def bench_shape(shape, spec, device, *, budget_s):
         del got
         fns[name], entropy_of[name] = fn, entropy
     want.clear()
-    timings = time_round_robin(fns, device, budget_s=budget_s)
+    timings = H.time_round_robin(fns, device, budget_s=budget_s)
     rows = []
     for name, fn in fns.items():
         peak = H.peak_memory(fn, device)

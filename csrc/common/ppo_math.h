@@ -83,6 +83,9 @@ struct PpoToken {
   float dual;     // 1: the dual clip is active
 };
 
+// A0 = false leaves out the A = 0 overflow case below (such a token's loss and dlogp are then NaN, not 0):
+// the CPU loop's fast pass, which redoes a chunk with A0 = true when a trainable token's loss is NaN.
+template <bool A0 = true>
 CRF_HDI PpoToken ppo_token(float x, float adv, float ratio_lo, float ratio_hi, float dual_c) {
   PpoToken o;
   o.ratio = exp_f32(x);
@@ -91,7 +94,7 @@ CRF_HDI PpoToken ppo_token(float x, float adv, float ratio_lo, float ratio_hi, f
   // say so), not 0 * inf = NaN. A NaN ratio stays NaN (NaN > max is false). Two plain selects: one on a
   // compound condition ((adv == 0) & (ratio > max)) stopped gcc 12 from vectorising the CPU loop.
   const float rcap = o.ratio > 3.40282347e38f ? 3.40282347e38f : o.ratio;
-  const float rl = adv == 0.0f ? rcap : o.ratio;
+  const float rl = A0 ? (adv == 0.0f ? rcap : o.ratio) : o.ratio;
   const float l1 = -adv * rl, l2 = -adv * rc;
   const bool clipped = l2 > l1;
   const float l = clipped ? l2 : l1;
@@ -143,9 +146,15 @@ CRF_HDI float tis_scale(float l, float w) {
 }
 
 // l * w for a token's reduction weight w: 0 when w = 0 even if l overflowed float32 (a denominator of 0;
-// the float64 reference gives 0 there), NaN kept.
-CRF_HDI float weight_scale(float l, float w) { return w == 0.0f && l == l ? 0.0f : l * w; }
-CRF_HDI double weight_scale(double l, double w) { return w == 0.0 && l == l ? 0.0 : l * w; }
+// the float64 reference gives 0 there), NaN kept. Two plain selects with both arms computed first: the
+// one-line `w == 0 && l == l ? 0 : l * w` is control flow to gcc 12, and the CPU gradient loop that
+// calls it was no longer vectorised.
+template <typename F>
+CRF_HDI F weight_scale(F l, F w) {
+  const F lw = l * w;
+  const F zero = l == l ? F(0) : lw;
+  return w == F(0) ? zero : lw;
+}
 
 // max(a, b) that returns NaN when either is NaN (torch.max semantics; a plain a > b ? a : b drops it).
 CRF_HDI float nan_max(float a, float b) { return (a > b) | (a != a) ? a : b; }

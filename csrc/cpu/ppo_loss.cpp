@@ -35,24 +35,27 @@ struct Args {
   double* part;    // [n_blocks, kParts]
 };
 
-// Tokens [t0, t1) (at most kChunk) of one segment with reduction weight w; adds into p.
-template <typename idx_t, bool TIS, bool GRAD>
-CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
-  enum { L, K, N, C, D, X, R, NB };  // masked per-token loss, kl, 1, clipped, dual, log ratio, ratio
-  float buf[NB][crf::kChunk];
-  const int64_t n = t1 - t0;
+// Per-token buffers of a chunk: masked per-token loss, kl, 1, clipped, dual, log ratio, ratio.
+enum { L, K, N, C, D, X, R, NB };
+
+// The map loop over tokens [t0, t0 + n) of one segment with reduction weight wf: writes the gradient
+// (times wf) and the masked per-token terms into buf. EXACT = false is the fast pass: it leaves out the
+// selects that only matter for w = 0 (0 * inf) and for a trainable token with A = 0 and an overflowed
+// ratio, whose loss then comes out NaN; ppo_chunk redoes such a chunk with EXACT = true.
+template <typename idx_t, bool TIS, bool GRAD, bool EXACT>
+CRF_INLINE void ppo_map(const Args<idx_t>& a, int64_t t0, int64_t n, float wf, float (*buf)[crf::kChunk]) {
   const uint8_t* __restrict mask = reinterpret_cast<const uint8_t*>(a.mask) + t0;
   const float* __restrict lp = a.logp + t0;
   const float* __restrict old = a.old + t0;
   const float* __restrict adv = a.adv + t0;
   const float* __restrict roll = TIS ? a.roll + t0 : nullptr;
   float* __restrict grad = GRAD ? a.grad + t0 : nullptr;
-  const float wf = (float)w, lo = a.ratio_lo, hi = a.ratio_hi, dc = a.dual_c, cap = a.tis_cap;
+  const float lo = a.ratio_lo, hi = a.ratio_hi, dc = a.dual_c, cap = a.tis_cap;
   for (int64_t i = 0; i < n; ++i) {
     const int32_t mi = mask[i];
     const bool m = mi != 0;
     const float x = lp[i] - old[i];
-    const crf::PpoToken o = crf::ppo_token(x, adv[i], lo, hi, dc);
+    const crf::PpoToken o = crf::ppo_token<EXACT>(x, adv[i], lo, hi, dc);
     float l = o.loss, g = o.dlogp;
     if (TIS) {
       const float wi = crf::exp_f32(old[i] - roll[i]);
@@ -60,7 +63,7 @@ CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w
       l = crf::tis_scale(l, wc);
       g = crf::tis_scale(g, wc);
     }
-    const float gw = crf::weight_scale(g, wf), k = crf::kl_term(x, o.ratio);
+    const float gw = EXACT ? crf::weight_scale(g, wf) : g * wf, k = crf::kl_term(x, o.ratio);
     if (GRAD) grad[i] = m ? gw : 0.0f;
     buf[L][i] = m ? l : 0.0f;
     buf[K][i] = m ? k : 0.0f;
@@ -70,7 +73,29 @@ CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w
     buf[X][i] = m ? x : 0.0f;
     buf[R][i] = m ? o.ratio : 0.0f;
   }
-  p[kLoss] += crf::weight_scale(crf::lane_sum(buf[L], n), w);
+}
+
+// Tokens [t0, t1) (at most kChunk) of one segment with reduction weight w; adds into p.
+template <typename idx_t, bool TIS, bool GRAD>
+CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
+  float buf[NB][crf::kChunk];
+  const int64_t n = t1 - t0;
+  const float wf = (float)w;
+  // The fast pass's results are the exact pass's unless w = 0 or a trainable token's loss is NaN (a NaN
+  // input also does that); then the chunk is done again exactly. So the usual chunk skips two selects
+  // per token, and a chunk with a NaN loss pays two passes.
+  bool exact = wf == 0.0f;
+  double loss = 0.0;
+  if (!exact) {
+    ppo_map<idx_t, TIS, GRAD, false>(a, t0, n, wf, buf);
+    loss = crf::lane_sum(buf[L], n);
+    exact = loss != loss;
+  }
+  if (exact) {
+    ppo_map<idx_t, TIS, GRAD, true>(a, t0, n, wf, buf);
+    loss = crf::lane_sum(buf[L], n);
+  }
+  p[kLoss] += crf::weight_scale(loss, w);
   const double kl = crf::lane_sum(buf[K], n);
   p[kKl] += kl;
   p[kTokens] += crf::lane_sum(buf[N], n);

@@ -50,24 +50,26 @@ CRF_INLINE void merge_moments(double n, double& sum, double& m2, double nb, doub
   sum += sb;
 }
 
-// Tokens [t0, t1) (at most kChunk) of one segment with reduction weight w; adds into p.
-template <typename idx_t, bool CLIP, bool GRAD>
-CRF_INLINE void value_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
-  enum { L, V, R, E, N, C, Q, NB };  // masked per-token loss, v, R, e = R - v, 1, clipped; scratch
-  float buf[NB][crf::kChunk];
-  const int64_t n = t1 - t0;
+// Per-token buffers of a chunk: masked per-token loss, v, R, e = R - v, 1, clipped; scratch.
+enum { L, V, R, E, N, C, Q, NB };
+
+// The map loop over tokens [t0, t0 + n) of one segment with reduction weight wf: writes the gradient
+// (times wf) and the masked per-token terms into buf. The gradient times wf is weight_scale's plain
+// product unless wf = 0 (W0), so only a chunk with wf = 0 runs weight_scale's selects.
+template <typename idx_t, bool CLIP, bool GRAD, bool W0>
+CRF_INLINE void value_map(const Args<idx_t>& a, int64_t t0, int64_t n, float wf, float (*buf)[crf::kChunk]) {
   const uint8_t* __restrict mask = reinterpret_cast<const uint8_t*>(a.mask) + t0;
   const float* __restrict vp = a.v + t0;
   const float* __restrict op = a.old + t0;
   const float* __restrict rp = a.ret + t0;
   float* __restrict grad = GRAD ? a.grad + t0 : nullptr;
-  const float wf = (float)w, eps = a.eps;
+  const float eps = a.eps;
   for (int64_t i = 0; i < n; ++i) {
     const int32_t mi = mask[i];
     const bool m = mi != 0;
     const float v = vp[i], r = rp[i], e = r - v;
     const crf::ValueToken o = crf::value_token(v, CLIP ? op[i] : v, r, eps, CLIP);
-    const float gw = crf::weight_scale(o.dv, wf);
+    const float gw = W0 ? crf::weight_scale(o.dv, wf) : o.dv * wf;
     if (GRAD) grad[i] = m ? gw : 0.0f;
     buf[L][i] = m ? o.loss : 0.0f;
     buf[V][i] = m ? v : 0.0f;
@@ -76,6 +78,18 @@ CRF_INLINE void value_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double
     buf[N][i] = m ? 1.0f : 0.0f;
     buf[C][i] = m ? o.clipped : 0.0f;
   }
+}
+
+// Tokens [t0, t1) (at most kChunk) of one segment with reduction weight w; adds into p.
+template <typename idx_t, bool CLIP, bool GRAD>
+CRF_INLINE void value_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
+  float buf[NB][crf::kChunk];
+  const int64_t n = t1 - t0;
+  const float wf = (float)w;
+  if (GRAD && wf == 0.0f)
+    value_map<idx_t, CLIP, GRAD, true>(a, t0, n, wf, buf);
+  else
+    value_map<idx_t, CLIP, GRAD, false>(a, t0, n, wf, buf);
   const double nb = crf::lane_sum(buf[N], n);
   if (nb <= 0.0) return;
   // squared deviations of R and of e from the chunk's means (0 on masked tokens: buf[N] is 0 there)

@@ -437,6 +437,33 @@ def test_zero_advantage_with_a_ratio_past_float32(backend, dual_clip):
     assert loss.item() == -0.5 and lp.grad.tolist() == [0.0, -0.5]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tis", [False, True])
+def test_zero_advantage_past_float32_leaves_the_other_tokens_bits(backend, tis):
+    """The C++ loop's fast pass gets such a token's loss as NaN and redoes its chunk exactly: every other
+    token's gradient keeps its bits, that token's gradient is 0 and the loss stays finite (20K tokens:
+    several chunks and blocks)."""
+    x = policy_inputs(20000, seed=9)
+    mask = torch.rand(20000, generator=torch.Generator().manual_seed(9)) < 0.8
+    i = 12345
+    mask[i] = True
+    kw = dict(rollout_logprobs=x["rollout_logprobs"], tis_cap=2.0) if tis else {}
+
+    def grad(lp, adv):
+        lp = lp.clone().requires_grad_()
+        loss, _ = crf.ppo_policy_loss(lp, x["old_logprobs"], adv, mask, backend=backend, **kw)
+        loss.backward()
+        return loss, lp.grad
+
+    _, want = grad(x["logprobs"], x["advantages"])
+    lp, adv = x["logprobs"].clone(), x["advantages"].clone()
+    lp[i], adv[i] = x["old_logprobs"][i] + 100.0, 0.0
+    loss, got = grad(lp, adv)
+    assert loss.isfinite() and got[i].item() == 0.0
+    others = torch.arange(20000) != i
+    assert torch.equal(got[others].view(torch.int32), want[others].view(torch.int32))
+
+
 @pytest.mark.parametrize("backend", BACKENDS + ["torch"])
 @pytest.mark.parametrize("where", ["logprobs", "old_logprobs", "advantages", "rollout_logprobs"])
 def test_nan_on_a_trainable_token_propagates(backend, where):

@@ -4,9 +4,19 @@ On a shared machine the best count changes with the load. On the idle 2-core mac
 make a demo step ~1.65x faster (SFT step 270 -> 165 ms); when another process holds the second core,
 a second OpenMP thread mostly waits and steps get 2-7x slower. So every `period_s` seconds the tuner
 runs `probe` steps at each candidate count and keeps the fastest (by the minimum over its probes, so a
-one-off stall does not decide). The numbers do not change: the CPU kernels the models use split work
-over rows, not over the reduction, and 1 and 2 threads give bitwise equal forward and backward passes
-(tests/train/test_threads.py checks it on the demo's model).
+one-off stall does not decide).
+
+What the count changes: the last bits. MKL's matrix products split their sums by the threads they get
+(and pick kernels by instruction set), so 1 and 2 threads give training passes that differ by a few
+float32 ulps (tests/train/test_threads.py), which training amplifies (up to 7e-5 relative in the KL metrics
+of the demo miniature after 3 PPO steps, 6e-4 between CPUs; its sampled tokens and evaluations stayed equal). Since the
+tuner's choice depends on the load, "auto" runs are not bitwise reproducible by default; `threads=1`
+runs are, on one machine, at any load. For bitwise equal results at any thread count, start the
+process with MKL's strict conditional numerical reproducibility, `MKL_CBWR=AVX2,STRICT` (MKL reads it
+at its first call: setting it after a matrix product has run does nothing): then 1 and 2 threads give
+bitwise equal passes and demo runs (tests/train/test_threads.py, tests/test_demo_golden.py), at ~35%
+more CPU time per single-thread step on an AVX-512 machine (benchmarks/results/repro-any-machine.md).
+Across CPUs even that is not bitwise: ATen's own kernels are chosen by instruction set too.
 """
 from __future__ import annotations
 

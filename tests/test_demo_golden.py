@@ -42,8 +42,9 @@ GOLDEN = os.path.join(ROOT, "tests", "golden", "demo_mini.json")
 MINI_ARGS = ["--progress", "false", "--steps", "3", "--value-pretrain-steps", "1", "--rollouts-per-step", "32",
              "--eval-rollouts", "32", "--gap-every", "2", "--set", "sft.steps=150", "--set", "sft.rollouts_per_step=16",
              "--set", "sft.expert_drop_p=0", "--set", "env.n_digits=1", "--set", "rollout.budget=64"]
-# logged keys that are not numbers of the method: wall times and the thread count
-SKIP = ("time/", "threads")
+# logged keys that are not numbers of the method: wall times, the thread count, and the sampler-vs-learner gap
+# (rounding by construction: ~1e-6 absolute, so any relative tolerance is arbitrary)
+SKIP = ("time/", "threads", "sampler/")
 # Relative tolerance per metric (its logged name), >= 7x the largest deviation measured between 8
 # numerical environments [in brackets]. A change of the recipe moves some metric far more: clip_high 0.2 -> 0.21
 # moves only actor/policy_loss (tokens clipped at both bounds: same gradient, another loss), by 6.1e-4;
@@ -54,6 +55,8 @@ TOLERANCES = {
     **{f"actor/{k}": 5e-3 for k in ("approx_kl", "rollout_kl", "log_ratio", "ratio_max", "grad_norm",
                                     "rollout_logp_absdiff_max")},
     "adv_exec_mean": 5e-4,  # a mean of advantages that nearly cancel [4.1e-5]
+    # 1 - var(ret - v) / var(ret) near 0 (the 2-head model's ablation: -3.3e-5) [5.2e-4, AVX2 MKL + ATen]
+    "critic/explained_variance": 5e-3, "value_explained_variance": 5e-3,
     "actor/policy_loss": 2e-4,  # [2.7e-5]
 }
 

@@ -120,22 +120,30 @@ def ppo_loss_fwd_kernel(logp, old, adv, roll, mask, cu, scale, grad, part, ticke
     b_a = tl.load(adv + o_t, mask=m_t, other=0.0).to(tl.float32)
     b_r = tl.exp(b_x)
     b_rc = tl.minimum(tl.maximum(b_r, ratio_lo), ratio_hi)
-    # A = 0 with a ratio past float32: the loss is 0, not 0 * inf = NaN (csrc/common/ppo_math.h)
-    b_l1 = -b_a * tl.where((b_a == 0.0) & (b_r > 3.40282347e38), 0.0, b_r)
+    # A = 0 with a ratio past float32 but not float64: the loss is 0, not 0 * inf = NaN; past float64 (a
+    # log-ratio > ~709.78) the reference's ratio is inf too and -0 * inf is NaN (csrc/common/ppo_math.h)
+    b_inf64 = b_x > 709.782712893384
+    b_l1 = -b_a * tl.where((b_a == 0.0) & (b_r > 3.40282347e38) & ~b_inf64, 0.0, b_r)
     b_l2 = -b_a * b_rc
     b_clip = b_l2 > b_l1
     b_l = tl.where(b_clip, b_l2, b_l1)
     b_ld = -dual_c * b_a
     b_dual = (b_a < 0.0) & (b_l > b_ld) & (dual_c < 3.4e38)  # float32 max (~3.403e38): off, also for an inf l
     b_l = tl.where(b_dual, b_ld, b_l)
-    b_g = tl.where(b_clip | b_dual, 0.0, b_l1)
+    # the reference's chain rule: a ratio past float64 times a zero factor (clipped, dual-clipped, A = 0) is NaN
+    b_g0 = tl.where(b_inf64, float("nan"), 0.0)
+    b_g = tl.where(b_clip | b_dual | (b_inf64 & (b_a == 0.0)), b_g0, b_l1)
     if HAS_TIS:
         b_roll = tl.load(roll + o_t, mask=m_t, other=0.0).to(tl.float32)
         b_is = tl.exp(b_old - b_roll)
         b_is = tl.where(b_is > tis_cap, tis_cap, b_is)  # a NaN weight stays NaN (tl.minimum may drop it)
-        b_big = b_is > 3.40282347e38  # 0 * an overflowed weight is 0 (the float64 reference)
+        # 0 * a weight past float32 but not float64 is 0 (the float64 reference); past float64 it is NaN
+        b_big = (b_is > 3.40282347e38) & (b_old - b_roll <= 709.782712893384)
         b_l = tl.where((b_l == 0.0) & b_big, b_l, b_l * b_is)
-        b_g = tl.where((b_g == 0.0) & b_big, b_g, b_g * b_is)
+        # a clipped token's zero derivative stays 0 (NaN past float64) whatever the weight: the reference's
+        # weight multiplies the upstream gradient, and the clamp passes none of it
+        b_g = tl.where(b_clip | b_dual | ((b_g == 0.0) & b_big), b_g, b_g * b_is)
+    b_g = tl.where(b_l != b_l, b_l, b_g)  # a NaN loss term gives a NaN gradient (docs/ops.md)
     if NEED_GRAD:
         tl.store(grad + o_t, tl.where(b_m, weight_scale(b_g, b_w), 0.0), mask=m_t)
     p_part = part + i_b * 8

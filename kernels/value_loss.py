@@ -86,7 +86,8 @@ def value_loss_fwd_kernel(v, old, ret, mask, cu, scale, grad, part, ticket, loss
         b_q2 = b_e2 * b_e2
         b_clip = b_q2 > b_q1
         b_l = 0.5 * tl.where(b_clip | (b_q2 != b_q2), b_q2, b_q1)
-        b_g = tl.where(b_clip, 0.0, b_e1)
+        # a NaN loss term gives a NaN gradient (docs/ops.md, "Non-finite input"), also for a NaN old value
+        b_g = tl.where(b_q2 != b_q2, b_q2, tl.where(b_clip, 0.0, b_e1))
     else:
         b_clip = b_q1 < 0.0  # all false
         b_l = 0.5 * b_q1

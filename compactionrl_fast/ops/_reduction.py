@@ -43,8 +43,11 @@ def check_layout(loss_mask, cu_seqlens, cu_segments):
         if cu_segments is not None:
             raise ValueError("cu_segments needs cu_seqlens (the segments it groups)")
         return None
-    read = value_checks(cu_seqlens)
+    # the type first: a list (or anything else) is a TypeError that names the argument
     check_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
+    if cu_segments is not None:
+        check_tensor("cu_segments", cu_segments, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
+    read = value_checks(cu_seqlens)
     if read:
         check_offsets("cu_seqlens", cu_seqlens, total=T, device=device)
     elif cu_seqlens.numel() < 1:

@@ -364,6 +364,22 @@ def _chunk_upstream(token_loss, logp, ent, sl):
     return loss.detach().float().sum(), grads[0], (grads[1] if en is not None else None)
 
 
+def _check_token_sum(token_loss, device, with_entropy):
+    """The loss is the sum of the chunks' shares, which is the loss of all tokens only for a sum over tokens;
+    such a loss is 0 on no tokens. One call on an empty chunk refuses the others (a constant, a mean, an
+    offset) with a ValueError rather than a loss that depends on the chunk count."""
+    empty = torch.zeros(0, device=device)
+    with torch.no_grad():
+        v = token_loss(empty, empty if with_entropy else None, slice(0, 0))
+    if not isinstance(v, torch.Tensor) or v.numel() != 1:
+        return  # _chunk_upstream raises the TypeError
+    if float(v) != 0.0:
+        raise ValueError(f"token_loss must be a sum over tokens (it is called once per chunk and the shares are "
+                         f"added), but on an empty chunk it returned {float(v)}, not 0; a constant, a mean or an "
+                         f"offset depends on the number of chunks: write it as a sum over the chunk's tokens, or "
+                         f"pass chunk_size >= T (one chunk)")
+
+
 class LinearLogprobsLossFunction(torch.autograd.Function):
     """The fused variant: the caller's loss is applied chunk by chunk inside the forward loop, so each
     chunk's gradients come from logits still in the buffer (3 matmuls, no recompute). Backward only
@@ -508,7 +524,10 @@ def linear_logprobs_loss(hidden, weight, targets, token_loss, *, bias=None, temp
     with the chunk's log-probs [c] (and entropy [c], or None unless `with_entropy`) and returns that chunk's
     scalar share of the loss; the loss is the sum of the shares. The loss must therefore be a sum over
     tokens, such as a PPO loss with a known denominator; index your own per-token tensors (advantages,
-    old log-probs, mask) with `sl`. Its gradients with respect to hidden, weight and bias are formed
+    old log-probs, mask) with `sl`. With more than one chunk, where value checks run (CPU tensors, or
+    COMPACTIONRL_FAST_CHECKS=1), `token_loss` is first called once on an empty chunk (`sl` = slice(0, 0)):
+    a value other than 0 there (a constant, a mean, an offset: not a sum over
+    tokens) is a ValueError. Its gradients with respect to hidden, weight and bias are formed
     while each chunk's logits are in the buffer: 3 matmuls where `linear_logprobs` + autograd runs 4.
     Tensors captured by `token_loss` receive no gradient. Backward scales the stored gradients by the
     upstream gradient of the loss; they are held from forward to backward ([T, H] + [V, H] + [V]).
@@ -542,6 +561,8 @@ def linear_logprobs_loss(hidden, weight, targets, token_loss, *, bias=None, temp
     T, V = hidden.shape[0], weight.shape[0]
     C = chunk_size if chunk_size is not None else default_chunk_size(T, V, hidden.device)
     C = max(1, min(C, T))
+    if T > C and value_checks(hidden):  # a host read of its value: CPU, or COMPACTIONRL_FAST_CHECKS=1
+        _check_token_sum(token_loss, hidden.device, with_entropy)
     out = LinearLogprobsLossFunction.apply(hidden, weight, bias, targets.long().contiguous(), token_loss,
                                            1.0 / temperature, C, with_entropy, b == "triton")
     return out if with_entropy else (*out, None)

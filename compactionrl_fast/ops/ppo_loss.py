@@ -94,7 +94,10 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, cu_seqlens
         when there is none). A ratio past float32 (log-ratio > ~88.7) shows as inf in ratio_max and
         approx_kl (the float64 reference's value cast to float32); its token's loss is still exact when
         a clip binds or A = 0. A NaN on a trainable token makes the loss (and ratio_max, approx_kl for a
-        NaN log-prob) NaN on every backend; inf/NaN on non-trainable tokens change nothing.
+        NaN log-prob) NaN on every backend; inf/NaN on non-trainable tokens change nothing. Non-finite input in
+        general: the float64 reference's values and autograd gradient, rounded (docs/ops.md, "Non-finite
+        input"); e.g. a trainable token's log-ratio past float64 (> ~709.8, +inf) gives its gradient NaN
+        where its branch is clipped or A = 0.
 
     Example:
         >>> import torch, compactionrl_fast as crf

@@ -71,7 +71,8 @@ def value_loss(values, old_values, returns, loss_mask, *, clip=None, cu_seqlens=
         (loss: float32 [], metrics: dict of float32 [] tensors "clip_fraction", "value_mean",
         "explained_variance" (1 - Var(R - v) / Var(R) over trainable tokens; 0 if Var(R) = 0)). A NaN
         on a trainable token (values, returns, or old_values with `clip`) makes the loss NaN on every
-        backend; inf/NaN on non-trainable tokens change nothing.
+        backend, and that token's gradient NaN; inf/NaN on non-trainable tokens change nothing (docs/ops.md,
+        "Non-finite input").
 
     Example:
         >>> import torch, compactionrl_fast as crf

@@ -64,6 +64,17 @@ def _masked(t, m, grad=False):
     return torch.where(m, t, 0.0)
 
 
+def _nan_grad_where_nan(loss_tok, x):
+    """`loss_tok` with a NaN gradient into `x` at the tokens whose loss is NaN (the forward unchanged).
+
+    docs/ops.md, "Non-finite input": a NaN loss term propagates into its token's gradient. Autograd alone does
+    not always do that: a `torch.where` whose NaN branch is constant in `x` (the value clip's v_clip for a
+    NaN old value) passes a 0 gradient, not NaN*0."""
+    bad = loss_tok.detach().isnan()
+    xb = torch.where(bad, x, 0.0)  # 0 where the loss is a number: no inf - inf below
+    return loss_tok + (xb - xb.detach()) * torch.where(bad, float("nan"), 0.0)
+
+
 def ppo_token_losses(logprobs, old_logprobs, advantages, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
                      rollout_logprobs=None, tis_cap=None):
     """Per-token clipped-PPO losses, float64 [T] on CPU (differentiable in logprobs), with the per-token
@@ -97,9 +108,11 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, cu_seqlens
     """Oracle for `compactionrl_fast.ppo_policy_loss`: float64 (loss, metrics) on CPU; differentiable in
     `logprobs` (cast to float64 inside, so the gradient reaches the caller's tensor)."""
     m = loss_mask.cpu()
+    lp = _masked(logprobs, m, grad=True)
     loss_tok, ratio, clipped, dual = ppo_token_losses(
-        _masked(logprobs, m, grad=True), _masked(old_logprobs, m), _masked(advantages, m), clip_low=clip_low,
+        lp, _masked(old_logprobs, m), _masked(advantages, m), clip_low=clip_low,
         clip_high=clip_high, dual_clip=dual_clip, rollout_logprobs=_masked(rollout_logprobs, m), tis_cap=tis_cap)
+    loss_tok = _nan_grad_where_nan(loss_tok, lp)
     w = token_weights(m, cu_seqlens, cu_segments, reduction, denominator)
     loss = torch.where(m, loss_tok * w, 0.0).sum()
     n = int(m.sum())
@@ -141,8 +154,9 @@ def value_loss(values, old_values, returns, loss_mask, *, clip=None, cu_seqlens=
                reduction="token-mean", denominator=None):
     """Oracle for `compactionrl_fast.value_loss`: float64 (loss, metrics) on CPU, differentiable in `values`."""
     m = loss_mask.cpu()
-    loss_tok, clipped = value_token_losses(_masked(values, m, grad=True), _masked(old_values, m),
-                                           _masked(returns, m), clip=clip)
+    v = _masked(values, m, grad=True)
+    loss_tok, clipped = value_token_losses(v, _masked(old_values, m), _masked(returns, m), clip=clip)
+    loss_tok = _nan_grad_where_nan(loss_tok, v)
     w = token_weights(m, cu_seqlens, cu_segments, reduction, denominator)
     loss = torch.where(m, loss_tok * w, 0.0).sum()
     zero = torch.zeros((), dtype=torch.float64)

@@ -83,6 +83,9 @@ struct PpoToken {
   float dual;     // 1: the dual clip is active
 };
 
+// log(max double): a log-ratio above it overflows the float64 reference's ratio too.
+constexpr float kLogRatioMax64 = 709.782712893384f;
+
 // A0 = false leaves out the A = 0 overflow case below (such a token's loss and dlogp are then NaN, not 0):
 // the CPU loop's fast pass, which redoes a chunk with A0 = true when a trainable token's loss is NaN.
 template <bool A0 = true>
@@ -93,8 +96,10 @@ CRF_HDI PpoToken ppo_token(float x, float adv, float ratio_lo, float ratio_hi, f
   // A = 0 with a ratio past float32 (x > ~88.7): the loss -A*ratio is 0 (the float64 reference and verl
   // say so), not 0 * inf = NaN. A NaN ratio stays NaN (NaN > max is false). Two plain selects: one on a
   // compound condition ((adv == 0) & (ratio > max)) stopped gcc 12 from vectorising the CPU loop.
+  // Past float64 too (x > ~709.78, or +inf) the ratio is inf in the reference as well: no cap, -0 * inf = NaN.
+  const bool inf64 = x > kLogRatioMax64;
   const float rcap = o.ratio > 3.40282347e38f ? 3.40282347e38f : o.ratio;
-  const float rl = A0 ? (adv == 0.0f ? rcap : o.ratio) : o.ratio;
+  const float rl = A0 ? ((adv == 0.0f) & !inf64 ? rcap : o.ratio) : o.ratio;
   const float l1 = -adv * rl, l2 = -adv * rc;
   const bool clipped = l2 > l1;
   const float l = clipped ? l2 : l1;
@@ -102,7 +107,10 @@ CRF_HDI PpoToken ppo_token(float x, float adv, float ratio_lo, float ratio_hi, f
   // dual_c = FLT_MAX is "off" also for an infinite l (inf > -FLT_MAX * A would switch it on)
   const bool dual = (adv < 0.0f) & (l > ld) & (dual_c < 3.40282347e38f);
   o.loss = dual ? ld : l;
-  o.dlogp = (clipped | dual) ? 0.0f : l1;
+  // the reference's chain rule: d/dlogp = (the taken branch's d/dratio) * ratio; a ratio past float64 times a
+  // zero factor (clipped, dual-clipped, A = 0) is NaN there (docs/ops.md, "Non-finite input")
+  const float g0 = A0 & inf64 ? bits_to_float(0x7fc00000) : 0.0f;
+  o.dlogp = (clipped | dual) ? g0 : (A0 & inf64 & (adv == 0.0f) ? g0 : l1);
   o.clipped = clipped ? 1.0f : 0.0f;
   o.dual = dual ? 1.0f : 0.0f;
   return o;
@@ -132,15 +140,16 @@ CRF_HDI ValueToken value_token(float v, float old_v, float ret, float eps, bool 
   // max(q1, q2) that keeps a NaN of either side, as torch.maximum in the reference does
   const bool nan2 = use_clip & (q2 != q2);
   o.loss = 0.5f * ((clipped | nan2) ? q2 : q1);
-  o.dv = clipped ? 0.0f : e1;
+  // a NaN loss term gives a NaN gradient (docs/ops.md, "Non-finite input"), also for a NaN old value
+  o.dv = nan2 ? q2 : (clipped ? 0.0f : e1);
   o.clipped = clipped ? 1.0f : 0.0f;
   return o;
 }
 
-// l * w for the truncated importance weight w: 0 when l = 0 even if w overflowed float32 (the float64
-// reference gives 0 there), NaN kept.
-CRF_HDI float tis_scale(float l, float w) {
-  const float wcap = w > 3.40282347e38f ? 3.40282347e38f : w;
+// l * w for the truncated importance weight w = exp(d) (capped): 0 when l = 0 even if w overflowed float32
+// but not float64 (d <= ~709.78: the float64 reference gives 0 there), NaN kept; past float64, 0 * inf = NaN.
+CRF_HDI float tis_scale(float l, float w, float d) {
+  const float wcap = (w > 3.40282347e38f) & (d <= kLogRatioMax64) ? 3.40282347e38f : w;
   const float lw = l * w, lwcap = l * wcap;
   return l == 0.0f ? lwcap : lw;
 }

@@ -33,16 +33,17 @@ struct Args {
   float ratio_lo, ratio_hi, dual_c, tis_cap;
   float* grad;     // [T] or nullptr
   double* part;    // [n_blocks, kParts]
+  double lo64, hi64, dual64, cap64;  // the same in float64 (the float64 pass); dual64 = 0: no dual clip
 };
 
 // Per-token buffers of a chunk: masked per-token loss, kl, 1, clipped, dual, log ratio, ratio.
 enum { L, K, N, C, D, X, R, NB };
 
 // The map loop over tokens [t0, t0 + n) of one segment with reduction weight wf: writes the gradient
-// (times wf) and the masked per-token terms into buf. EXACT = false is the fast pass: it leaves out the
-// selects that only matter for w = 0 (0 * inf) and for a trainable token with A = 0 and an overflowed
-// ratio, whose loss then comes out NaN; ppo_chunk redoes such a chunk with EXACT = true.
-template <typename idx_t, bool TIS, bool GRAD, bool EXACT>
+// (times wf) and the masked per-token terms into buf, in float32. Its results are the float64 pass's
+// (ppo_chunk_f64) rounded, as long as every trainable token's terms are finite; ppo_chunk redoes a chunk in
+// float64 when they are not (its loss or KL sum is not finite).
+template <typename idx_t, bool TIS, bool GRAD>
 CRF_INLINE void ppo_map(const Args<idx_t>& a, int64_t t0, int64_t n, float wf, float (*buf)[crf::kChunk]) {
   const uint8_t* __restrict mask = reinterpret_cast<const uint8_t*>(a.mask) + t0;
   const float* __restrict lp = a.logp + t0;
@@ -55,15 +56,15 @@ CRF_INLINE void ppo_map(const Args<idx_t>& a, int64_t t0, int64_t n, float wf, f
     const int32_t mi = mask[i];
     const bool m = mi != 0;
     const float x = lp[i] - old[i];
-    const crf::PpoToken o = crf::ppo_token<EXACT>(x, adv[i], lo, hi, dc);
+    const crf::PpoToken o = crf::ppo_token<false>(x, adv[i], lo, hi, dc);
     float l = o.loss, g = o.dlogp;
     if (TIS) {
       const float wi = crf::exp_f32(old[i] - roll[i]);
-      const float wc = wi > cap ? cap : wi;  // a NaN weight stays NaN
-      l = crf::tis_scale(l, wc);
-      g = crf::tis_scale(g, wc);
+      const float wc = wi > cap ? cap : wi;  // a NaN weight stays NaN; an overflowed one makes l NaN or inf
+      l = l * wc;
+      g = g * wc;
     }
-    const float gw = EXACT ? crf::weight_scale(g, wf) : g * wf, k = crf::kl_term(x, o.ratio);
+    const float gw = g * wf, k = crf::kl_term(x, o.ratio);
     if (GRAD) grad[i] = m ? gw : 0.0f;
     buf[L][i] = m ? l : 0.0f;
     buf[K][i] = m ? k : 0.0f;
@@ -75,39 +76,97 @@ CRF_INLINE void ppo_map(const Args<idx_t>& a, int64_t t0, int64_t n, float wf, f
   }
 }
 
+// The chunk [t0, t0 + n) of one segment with reduction weight w after the float32 pass (buf) found a term
+// that is not finite. A token whose float32 loss and KL term are finite keeps the float32 pass's results
+// (they are the float64 ones rounded; its gradient keeps its bits); any other trainable token is done in
+// float64, the reference's arithmetic (compactionrl_fast/reference/losses.py) written out: its loss, its
+// metrics, and the gradient autograd forms from it, term by term (a branch not taken passes 0 on, which
+// times an infinite derivative is NaN); a token whose loss is NaN gets a NaN gradient. Adds into p.
+// noinline: the float32 loop stays small.
+template <typename idx_t, bool TIS, bool GRAD>
+__attribute__((noinline)) void ppo_chunk_f64(const Args<idx_t>& a, int64_t t0, int64_t n, double w, double* p,
+                                             const float (*buf)[crf::kChunk]) {
+  const double lo = a.lo64, hi = a.hi64, c = a.dual64, cap = a.cap64;
+  double loss = 0.0, tokens = 0.0, clips = 0.0, duals = 0.0, kl = 0.0, lr = 0.0, rm = p[kRatioMax];
+  for (int64_t i = t0; i < t0 + n; ++i) {
+    if (!a.mask[i]) continue;  // the float32 pass wrote its 0 gradient
+    const int64_t j = i - t0;
+    if (std::isfinite(buf[L][j]) && std::isfinite(buf[K][j])) {
+      loss += (double)buf[L][j] * w;
+      tokens += 1.0;
+      clips += buf[C][j];
+      duals += buf[D][j];
+      kl += buf[K][j];
+      lr += buf[X][j];
+      rm = rm != rm ? rm : (buf[R][j] > rm ? (double)buf[R][j] : rm);
+      continue;
+    }
+    const double old = a.old[i], adv = a.adv[i], x = (double)a.logp[i] - old, r = std::exp(x);
+    const double rc = r < lo ? lo : (r > hi ? hi : r), na = -adv;
+    const double l1 = na * r, l2 = na * rc;
+    const bool clipped = l2 > l1;
+    double l = clipped ? l2 : l1;
+    bool dual = false;
+    if (c != 0.0) {
+      const double l3 = na * c;
+      dual = (adv < 0.0) && (l > l3);
+      l = dual ? l3 : l;
+    }
+    double wis = 1.0;
+    if (TIS) {
+      wis = std::exp(old - (double)a.roll[i]);
+      wis = wis > cap ? cap : wis;  // NaN stays NaN
+      l = l * wis;
+    }
+    loss += l * w;
+    if (GRAD) {
+      const double gpre = dual ? 0.0 : (TIS ? w * wis : w);
+      const double g1 = clipped ? 0.0 : gpre, g2 = clipped ? gpre : 0.0;
+      const double gc = g2 * na;
+      const double gr = g1 * na + ((r >= lo) && (r <= hi) ? gc : 0.0);
+      const double gx = gr * r;
+      a.grad[i] = (float)(l != l ? l : gx);
+    }
+    tokens += 1.0;
+    clips += clipped ? 1.0 : 0.0;
+    duals += dual ? 1.0 : 0.0;
+    kl += (r - 1.0) - x;
+    lr += x;
+    rm = rm != rm ? rm : ((r > rm) | (r != r) ? r : rm);  // the max, a NaN kept
+  }
+  p[kLoss] += loss;
+  p[kTokens] += tokens;
+  p[kClipped] += clips;
+  p[kDual] += duals;
+  p[kKl] += kl;
+  p[kLogRatio] += lr;
+  p[kRatioMax] = rm;
+}
+
 // Tokens [t0, t1) (at most kChunk) of one segment with reduction weight w; adds into p.
 template <typename idx_t, bool TIS, bool GRAD>
 CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
   float buf[NB][crf::kChunk];
   const int64_t n = t1 - t0;
   const float wf = (float)w;
-  // The fast pass's results are the exact pass's unless w = 0 or a trainable token's loss is NaN (a NaN
-  // input also does that); then the chunk is done again exactly. So the usual chunk skips two selects
-  // per token, and a chunk with a NaN loss pays two passes.
-  bool exact = wf == 0.0f;
-  double loss = 0.0;
-  if (!exact) {
-    ppo_map<idx_t, TIS, GRAD, false>(a, t0, n, wf, buf);
-    loss = crf::lane_sum(buf[L], n);
-    exact = loss != loss;
+  // The float32 pass's results are the float64 pass's, rounded, unless a trainable token has a term that is
+  // not finite (NaN input, an overflowed ratio or product: the chunk's loss or KL sum is then inf or NaN);
+  // such a chunk is done again in float64. So the usual chunk pays one vectorised pass.
+  ppo_map<idx_t, TIS, GRAD>(a, t0, n, wf, buf);
+  const double loss = crf::lane_sum(buf[L], n), kl = crf::lane_sum(buf[K], n);
+  if (!std::isfinite(loss) || !std::isfinite(kl)) {
+    ppo_chunk_f64<idx_t, TIS, GRAD>(a, t0, n, w, p, buf);
+    return;
   }
-  if (exact) {
-    ppo_map<idx_t, TIS, GRAD, true>(a, t0, n, wf, buf);
-    loss = crf::lane_sum(buf[L], n);
-  }
-  p[kLoss] += crf::weight_scale(loss, w);
-  const double kl = crf::lane_sum(buf[K], n);
+  p[kLoss] += loss * w;
   p[kKl] += kl;
   p[kTokens] += crf::lane_sum(buf[N], n);
   p[kClipped] += crf::lane_sum(buf[C], n);
   p[kDual] += crf::lane_sum(buf[D], n);
   p[kLogRatio] += crf::lane_sum(buf[X], n);
-  double rm = crf::lane_max(buf[R], n);
-  // lane_max drops NaN; a NaN ratio of a trainable token makes its KL term NaN too, so only then look
-  // for it (a NaN log-prob must show in ratio_max, as in the reference)
-  if (kl != kl)
-    for (int64_t i = 0; i < n; ++i) rm = buf[R][i] != buf[R][i] ? buf[R][i] : rm;
-  p[kRatioMax] = (rm > p[kRatioMax]) | (rm != rm) ? rm : p[kRatioMax];  // keeps a NaN
+  const double rm = crf::lane_max(buf[R], n);  // finite here (a NaN or inf ratio makes the KL sum so)
+  const double pm = p[kRatioMax];
+  p[kRatioMax] = pm != pm ? pm : (rm > pm ? rm : pm);
 }
 
 }  // namespace
@@ -136,7 +195,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cpu(
                   rollout_logprobs ? rollout_logprobs->data_ptr<float>() : nullptr, loss_mask.data_ptr<bool>(),
                   cu_seqlens ? cu_seqlens->data_ptr<idx_t>() : nullptr, seg_scale.data_ptr<double>(), S, T,
                   (float)(1.0 - clip_low), (float)(1.0 + clip_high), (float)dual_clip, (float)tis_cap,
-                  need_grad ? grad.data_ptr<float>() : nullptr, part.data_ptr<double>()};
+                  need_grad ? grad.data_ptr<float>() : nullptr, part.data_ptr<double>(), 1.0 - clip_low,
+                  1.0 + clip_high, dual_clip < 3.4028234663852886e38 ? dual_clip : 0.0, tis_cap};
     crf::parallel_blocks<ppo_chunk<idx_t, tis, grad_on>, kParts>(a);
   });
 
@@ -148,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cpu(
     tot[kRatioMax] = (p[kRatioMax] > tot[kRatioMax]) | (p[kRatioMax] != p[kRatioMax]) ? p[kRatioMax] : tot[kRatioMax];
   }
   const double n = tot[kTokens], inv = n > 0 ? 1.0 / n : 0.0;
-  at::Tensor loss = at::scalar_tensor(tot[kLoss], f32);
+  at::Tensor loss = at::scalar_tensor((double)(float)tot[kLoss], f32);  // past float32: inf
   at::Tensor metrics = at::empty({5}, f32);
   float* m = metrics.data_ptr<float>();
   m[0] = (float)(tot[kClipped] * inv);  // clip_fraction

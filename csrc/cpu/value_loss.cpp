@@ -8,6 +8,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <cmath>
 #include <limits>
 
 #include "../common/alloc.h"
@@ -34,6 +35,7 @@ struct Args {
   float eps;
   float* grad;   // [T] or nullptr
   double* part;  // [n_blocks, kParts]
+  double eps64;  // eps in float64 (the float64 pass)
 };
 
 // Merge the (count, sum, sum of squared deviations) of a chunk into those of the block (Chan et al.);
@@ -54,9 +56,10 @@ CRF_INLINE void merge_moments(double n, double& sum, double& m2, double nb, doub
 enum { L, V, R, E, N, C, Q, NB };
 
 // The map loop over tokens [t0, t0 + n) of one segment with reduction weight wf: writes the gradient
-// (times wf) and the masked per-token terms into buf. The gradient times wf is weight_scale's plain
-// product unless wf = 0 (W0), so only a chunk with wf = 0 runs weight_scale's selects.
-template <typename idx_t, bool CLIP, bool GRAD, bool W0>
+// (times wf) and the masked per-token terms into buf, in float32. Its results are the float64 pass's
+// (value_chunk_f64) rounded as long as every term is finite; value_chunk redoes the chunk in float64
+// when one is not.
+template <typename idx_t, bool CLIP, bool GRAD>
 CRF_INLINE void value_map(const Args<idx_t>& a, int64_t t0, int64_t n, float wf, float (*buf)[crf::kChunk]) {
   const uint8_t* __restrict mask = reinterpret_cast<const uint8_t*>(a.mask) + t0;
   const float* __restrict vp = a.v + t0;
@@ -69,7 +72,7 @@ CRF_INLINE void value_map(const Args<idx_t>& a, int64_t t0, int64_t n, float wf,
     const bool m = mi != 0;
     const float v = vp[i], r = rp[i], e = r - v;
     const crf::ValueToken o = crf::value_token(v, CLIP ? op[i] : v, r, eps, CLIP);
-    const float gw = W0 ? crf::weight_scale(o.dv, wf) : o.dv * wf;
+    const float gw = o.dv * wf;
     if (GRAD) grad[i] = m ? gw : 0.0f;
     buf[L][i] = m ? o.loss : 0.0f;
     buf[V][i] = m ? v : 0.0f;
@@ -80,16 +83,77 @@ CRF_INLINE void value_map(const Args<idx_t>& a, int64_t t0, int64_t n, float wf,
   }
 }
 
+// The chunk [t0, t0 + n) of one segment with reduction weight w after the float32 pass (buf) found a sum or
+// moment that is not finite. Sums and moments are formed again in float64; a token whose float32 loss is
+// finite keeps the float32 pass's loss and gradient (the float64 ones rounded; its gradient keeps its
+// bits); any other trainable token is done in float64, the reference's arithmetic
+// (compactionrl_fast/reference/losses.py) written out, with the gradient autograd forms from it, term by
+// term (a branch not taken passes 0 on, which times an infinite derivative is NaN); a token whose loss is
+// NaN gets a NaN gradient. Adds into p. noinline: the float32 loop stays small.
+template <typename idx_t, bool CLIP, bool GRAD>
+__attribute__((noinline)) void value_chunk_f64(const Args<idx_t>& a, int64_t t0, int64_t n, double w, double* p,
+                                               const float (*buf)[crf::kChunk]) {
+  const double eps = a.eps64;
+  double loss = 0.0, nb = 0.0, clips = 0.0, sv = 0.0, sr = 0.0, se = 0.0;
+  for (int64_t i = t0; i < t0 + n; ++i) {
+    if (!a.mask[i]) continue;  // the float32 pass wrote its 0 gradient
+    const double v = a.v[i], ret = a.ret[i];
+    nb += 1.0;
+    sv += v;
+    sr += ret;
+    se += ret - v;
+    const int64_t j = i - t0;
+    if (std::isfinite(buf[L][j])) {
+      loss += (double)buf[L][j] * w;
+      clips += buf[C][j];
+      continue;
+    }
+    const double e1 = v - ret, q1 = e1 * e1;
+    double l, g;
+    bool clipped = false;
+    if (CLIP) {
+      const double old = a.old[i], d = v - old;
+      const bool inside = std::fabs(d) <= eps;
+      const double vc = inside ? v : old + (d < -eps ? -eps : (d > eps ? eps : d));  // NaN d stays NaN
+      const double e2 = vc - ret, q2 = e2 * e2;
+      clipped = q2 > q1;
+      const bool take2 = clipped | (q2 != q2);
+      l = 0.5 * (take2 ? q2 : q1);
+      const double gq = w * 0.5;
+      g = (take2 ? 0.0 : gq) * (2.0 * e1) + (inside ? (take2 ? gq : 0.0) * (2.0 * e2) : 0.0);
+    } else {
+      l = 0.5 * q1;
+      g = (w * 0.5) * (2.0 * e1);
+    }
+    loss += l * w;
+    if (GRAD) a.grad[i] = (float)(l != l ? l : g);
+    clips += clipped ? 1.0 : 0.0;
+  }
+  if (nb <= 0.0) return;
+  double m2r = 0.0, m2e = 0.0;
+  const double mr = sr / nb, me = se / nb;
+  for (int64_t i = t0; i < t0 + n; ++i) {
+    if (!a.mask[i]) continue;
+    const double ret = a.ret[i], dr = ret - mr, de = (ret - (double)a.v[i]) - me;
+    m2r += dr * dr;
+    m2e += de * de;
+  }
+  const double n0 = p[kTokens];
+  p[kLoss] += loss;
+  p[kClipped] += clips;
+  p[kSumV] += sv;
+  merge_moments(n0, p[kSumR], p[kM2R], nb, sr, m2r);
+  merge_moments(n0, p[kSumE], p[kM2E], nb, se, m2e);
+  p[kTokens] = n0 + nb;
+}
+
 // Tokens [t0, t1) (at most kChunk) of one segment with reduction weight w; adds into p.
 template <typename idx_t, bool CLIP, bool GRAD>
 CRF_INLINE void value_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
   float buf[NB][crf::kChunk];
   const int64_t n = t1 - t0;
   const float wf = (float)w;
-  if (GRAD && wf == 0.0f)
-    value_map<idx_t, CLIP, GRAD, true>(a, t0, n, wf, buf);
-  else
-    value_map<idx_t, CLIP, GRAD, false>(a, t0, n, wf, buf);
+  value_map<idx_t, CLIP, GRAD>(a, t0, n, wf, buf);
   const double nb = crf::lane_sum(buf[N], n);
   if (nb <= 0.0) return;
   // squared deviations of R and of e from the chunk's means (0 on masked tokens: buf[N] is 0 there)
@@ -103,12 +167,20 @@ CRF_INLINE void value_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double
     }
     m2[k] = crf::lane_sum(buf[Q], n);
   }
+  const double loss = crf::lane_sum(buf[L], n), sv = crf::lane_sum(buf[V], n), sr = crf::lane_sum(buf[R], n),
+               se = crf::lane_sum(buf[E], n);
+  // a term that is not finite (NaN or inf input, a square past float32: the sums or moments are then inf
+  // or NaN): the chunk again in float64, whose results these are otherwise (rounded)
+  if (!std::isfinite(loss + sv + sr + se + m2[0] + m2[1])) {
+    value_chunk_f64<idx_t, CLIP, GRAD>(a, t0, n, w, p, buf);
+    return;
+  }
   const double n0 = p[kTokens];
-  p[kLoss] += crf::weight_scale(crf::lane_sum(buf[L], n), w);
+  p[kLoss] += loss * w;
   p[kClipped] += crf::lane_sum(buf[C], n);
-  p[kSumV] += crf::lane_sum(buf[V], n);
-  merge_moments(n0, p[kSumR], p[kM2R], nb, crf::lane_sum(buf[R], n), m2[0]);
-  merge_moments(n0, p[kSumE], p[kM2E], nb, crf::lane_sum(buf[E], n), m2[1]);
+  p[kSumV] += sv;
+  merge_moments(n0, p[kSumR], p[kM2R], nb, sr, m2[0]);
+  merge_moments(n0, p[kSumE], p[kM2E], nb, se, m2[1]);
   p[kTokens] = n0 + nb;
 }
 
@@ -147,7 +219,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(
     Args<idx_t> a{values.data_ptr<float>(), old_values.data_ptr<float>(), returns.data_ptr<float>(),
                   loss_mask.data_ptr<bool>(), cu_seqlens ? cu_seqlens->data_ptr<idx_t>() : nullptr,
                   seg_scale.data_ptr<double>(), S, T, (float)clip, need_grad ? grad.data_ptr<float>() : nullptr,
-                  part.data_ptr<double>()};
+                  part.data_ptr<double>(), clip};
     crf::parallel_blocks<value_chunk<idx_t, use_clip, grad_on>, kParts>(a);
   });
 
@@ -168,7 +240,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(
   m[0] = (float)(nc * inv);                                  // clip_fraction
   m[1] = (float)(sv * inv);                                  // value_mean
   m[2] = (float)(var_r <= 0.0 ? 0.0 : 1.0 - me.var() / var_r);  // explained_variance (NaN stays NaN)
-  return {at::scalar_tensor(loss, f32), metrics, grad};
+  return {at::scalar_tensor((double)(float)loss, f32), metrics, grad};  // past float32: inf
 }
 
 }  // namespace

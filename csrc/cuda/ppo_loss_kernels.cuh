@@ -70,11 +70,12 @@ __global__ void __launch_bounds__(kThreads) ppo_loss_block_kernel(Params p) {
     const PpoToken o = ppo_token(x, p.adv[t], p.ratio_lo, p.ratio_hi, p.dual_c);
     float l = o.loss, g = o.dlogp;
     if (TIS) {
-      const float wi = exp_f32(p.old[t] - p.roll[t]);
+      const float d = p.old[t] - p.roll[t], wi = exp_f32(d);
       const float wc = wi > p.tis_cap ? p.tis_cap : wi;  // a NaN weight stays NaN
-      l = tis_scale(l, wc);
-      g = tis_scale(g, wc);
+      l = tis_scale(l, wc, d);
+      g = o.clipped + o.dual != 0.f ? g : tis_scale(g, wc, d);  // a clipped token's 0 (or NaN) stays
     }
+    g = l != l ? l : g;  // a NaN loss term gives a NaN gradient (docs/ops.md, "Non-finite input")
     // the offsets only steer a binary search over cu[0..S]: any values (even bad ones, unchecked on CUDA)
     // give an index in [0, S), so bad offsets give wrong weights, never an out-of-bounds read
     const float w = (float)(cu == nullptr ? p.scale[0] : p.scale[upper_index(cu, p.S, t)]);

@@ -268,8 +268,12 @@ def test_fused_loss_edge_cases():
     T, H, V = 10, 8, 20
     h, w, b, y = make(T, H, V, bias=True)
     # a loss that does not depend on the log-probs: zero gradients, not an error
-    loss, _, _ = crf.linear_logprobs_loss(h, w, y, lambda lp, ent, sl: torch.tensor(2.0), chunk_size=3)
-    assert float(loss.detach()) == 8.0  # 4 chunks
+    loss, _, _ = crf.linear_logprobs_loss(h, w, y, lambda lp, ent, sl: torch.full((sl.stop - sl.start,), 2.0).sum(),
+                                          chunk_size=3)
+    assert float(loss.detach()) == 20.0  # 2 per token
+    # a constant per chunk is not a sum over tokens (its value would depend on the chunk count)
+    with pytest.raises(ValueError, match="token_loss must be a sum over tokens"):
+        crf.linear_logprobs_loss(h, w, y, lambda lp, ent, sl: torch.tensor(2.0), chunk_size=3)
     gh, gw = torch.autograd.grad(loss + (h.sum() + w.sum()) * 0, [h, w])
     assert (gh == 0).all() and (gw == 0).all()
     # weight frozen: only hidden gets a gradient

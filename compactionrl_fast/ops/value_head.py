@@ -3,8 +3,8 @@ followed by the value loss (docs/ops.md).
 
 Backends: "triton" (kernels/value_head.py), "cpp" (csrc/cpu/value_head.cpp: row dot products, the
 backward in one pass over `hidden`) and "torch" (matmuls, in row chunks for bf16/fp16 so that no float32
-copy of `hidden` exists). All accumulate in float32, return float32 values and reduce d_weight in a fixed
-order. The backward reads `hidden` once (for d_weight; d_hidden needs only the gradient and the weight),
+copy of `hidden` exists). All accumulate in float32 and return float32 values; triton and cpp reduce d_weight in a
+fixed order (bitwise at any thread count), torch's matmuls in MKL's (which depends on the CPU and the threads). The backward reads `hidden` once (for d_weight; d_hidden needs only the gradient and the weight),
 so the head plus loss reads `hidden` once forward and once backward.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _masked_rows(h, g):
 
 
 def _torch_bwd(hidden, w32, g, need_dh, need_dw):
-    """d_hidden (hidden's dtype) and d_weight (float32, chunks added in a fixed order).
+    """d_hidden (hidden's dtype) and d_weight (float32, chunks added in a fixed order; inside a chunk MKL's).
 
     d_weight skips rows whose gradient is 0. float32 on CPU: one gemv, redone with those rows zeroed only
     when it is not finite (an O(H) check, no sync on CPU); elsewhere the chunks are masked as they are

@@ -1,7 +1,7 @@
 """Checkpoints: models, optimisers, every RNG stream and the step, written atomically and checksummed.
 
 Resuming from a checkpoint and taking the next step gives bitwise the same weights on CPU as never
-having stopped: the rollout seeds are a function of (seed, step, rank) and the sampling RNG is restored.
+having stopped, at a fixed thread count on one machine (torch's matmuls round by CPU and threads): the rollout seeds are a function of (seed, step, rank) and the sampling RNG is restored.
 
 A checkpoint holds plain data only (dicts, lists, tuples, str, numbers, None, tensors) and is loaded with
 `torch.load(weights_only=True)`, so a crafted file cannot run code. A SHA-256 over every value (tensor

@@ -303,7 +303,8 @@ HELP = {
     "run_dir": "folder of config.json, metrics.jsonl, checkpoint.pt, actor/ and plots/",
     "device": "auto | cpu | cuda: where the models train (auto: cuda when available)",
     "threads": "torch CPU threads: 0 keeps torch's default (usually one per core), N uses N, 'auto' times steps at 1 and "
-               "at all cores every minute and keeps the faster count (the numbers do not change)",
+               "at all cores every minute and keeps the faster count (the numbers change only by rounding: MKL splits "
+               "its sums by threads)",
     "rollouts_per_step": "rollouts in the global batch of a step (all ranks together; divisible by the ranks)",
     "group_size": "rollouts per task; 1: no group baseline, the critic is the baseline",
     "micro_batch_tokens": "packed tokens per forward pass (gradient accumulation); whole rollouts per chunk",

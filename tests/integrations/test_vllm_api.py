@@ -168,7 +168,8 @@ def test_generate_builds_real_sampling_params_and_prompts(engine):
     for p in prompts:
         assert TokensPrompt.__required_keys__ <= set(p) <= set(typing.get_type_hints(TokensPrompt))
     assert all(isinstance(sp, SamplingParams) for sp in params)
-    assert [sp.max_tokens for sp in params] == [3, 2] and [sp.seed for sp in params] == [10, 12]
+    assert [sp.max_tokens for sp in params] == [3, 2]
+    assert [sp.seed for sp in params] == [vllm_engine.row_seed(10, 0), vllm_engine.row_seed(10, 2)]
     sp = params[0]
     assert (sp.temperature, sp.top_p, sp.stop_token_ids, sp.logprobs, sp.detokenize) == (0.7, 1.0, [9], 0, False)
     assert sp.skip_special_tokens is False and sp.ignore_eos is False

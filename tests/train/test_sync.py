@@ -163,3 +163,12 @@ def test_vllm_engine_sync_paths(reload, in_process):
     else:
         assert method == "apply_model" and [k for k, _ in arg] == list(sd)
     assert not eng.shares_weights(None)
+
+
+def test_vllm_row_seeds_do_not_repeat_across_calls():
+    """The loop seeds its calls (turns) with consecutive numbers: no (call, row) pair may share a row seed."""
+    from compactionrl_fast.rollout.engines.vllm_engine import row_seed
+
+    seeds = [row_seed(s, i) for s in range(1000, 1064) for i in range(256)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= x < 1 << 63 for x in seeds)
+    assert row_seed(7, 3) == row_seed(7, 3)

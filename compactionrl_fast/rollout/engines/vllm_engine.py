@@ -31,6 +31,14 @@ def vllm_available() -> bool:
     return True
 
 
+def row_seed(seed: int, row: int) -> int:
+    """The sampling seed of row `row` of a call seeded `seed`, in [0, 2^63). Not `seed + row`: the loop seeds
+    consecutive calls with consecutive numbers, so row i + 1 of one call would draw the same random numbers
+    as row i of the next (correlated rollouts); a different odd multiplier for each term keeps nearby
+    (seed, row) pairs apart."""
+    return (int(seed) * 0x9E3779B97F4A7C15 + (int(row) + 1) * 0xBF58476D1CE4E5B9) % (1 << 63)
+
+
 def _platform():
     """("cpu" | "cuda" | ..., sleep mode supported) of vLLM's current platform."""
     from vllm.platforms import current_platform
@@ -112,11 +120,11 @@ class VLLMEngine(Engine):
         rows = [i for i, c in enumerate(caps) if c > 0]
         if not rows:
             return out
-        # one seed per row (seed + row): a batch is reproducible run to run on the same engine
+        # one seed per row: a batch is reproducible run to run on the same engine
         params = [SamplingParams(temperature=float(temperature), top_p=float(top_p), max_tokens=caps[i],
                                  stop_token_ids=list(stop_token_ids), logprobs=0, detokenize=False,
                                  skip_special_tokens=False, ignore_eos=False,
-                                 seed=None if seed is None else int(seed) + i) for i in rows]
+                                 seed=None if seed is None else row_seed(seed, i)) for i in rows]
         res = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i in rows], params,
                                 use_tqdm=False)
         stops = set(int(t) for t in stop_token_ids)

@@ -108,7 +108,6 @@ def run_sft(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, log=None, progress
 def run_rl(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, progress=True, resume=False, tuner=None, engine=None):
     """Critic from the actor, value pre-training, PPO. Returns the trained State. `engine`: the rollout
     engine (default: `make_engine(cfg, actor, tok)`); `fit` syncs one that does not share the actor."""
-    from .train.engines import make_engine
     from .train.model import critic_from_actor
 
     critic = critic_from_actor(actor)
@@ -254,7 +253,7 @@ def _shared_engine(cfg: TrainConfig, tok):
     the embedded engine, which is built on each actor."""
     if cfg.engine != "vllm":
         return None
-    from .train.engines import describe, make_engine
+    from .train.engines import describe
 
     engine = make_engine(cfg, build(cfg, tok), tok)
     if describe(engine):

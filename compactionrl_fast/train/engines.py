@@ -1,7 +1,6 @@
 """The rollout engine of a training run, from `cfg.engine` (transformers | vllm) and `cfg.vllm`."""
 from __future__ import annotations
 
-import os
 import tempfile
 
 
@@ -24,9 +23,6 @@ def _vllm(cfg, actor):
                            "transformers")
     v = cfg.vllm
     dtype = cfg.model.dtype if v.dtype == "auto" else v.dtype
-    # vLLM starts from a folder: the actor's config and weights, written once (then synced in place)
-    folder = tempfile.mkdtemp(prefix="crf-vllm-model-")
-    actor.save_pretrained(folder)
     heads = actor.config.num_attention_heads
     head_dim = getattr(actor.config, "head_dim", None) or actor.config.hidden_size // heads
     if head_dim < 32 and next(actor.parameters()).device.type == "cpu":
@@ -38,9 +34,10 @@ def _vllm(cfg, actor):
     if v.chunked_prefill != "auto":
         kw["enable_chunked_prefill"] = v.chunked_prefill == "on"
     sleep = {"auto": "auto", "on": True, "off": False}[v.sleep_mode]
-    eng = VLLMEngine(folder, kv_cache_gib=v.kv_cache_gib, sleep_mode=sleep, **kw)
-    eng.model_dir = folder
-    return eng
+    # vLLM starts from a folder with the actor's config and weights, read once at start (syncs go in place)
+    with tempfile.TemporaryDirectory(prefix="crf-vllm-model-") as folder:
+        actor.save_pretrained(folder)
+        return VLLMEngine(folder, kv_cache_gib=v.kv_cache_gib, sleep_mode=sleep, **kw)
 
 
 def describe(engine) -> str:
@@ -49,11 +46,3 @@ def describe(engine) -> str:
         return (f"vLLM runs in this process and has made torch.set_num_threads a no-op: torch keeps "
                 f"{engine.threads_after} threads (was {engine.threads_before}); threads='auto' stands down")
     return ""
-
-
-def remove_model_dir(engine) -> None:
-    d = getattr(engine, "model_dir", None)
-    if d and os.path.isdir(d):
-        import shutil
-
-        shutil.rmtree(d, ignore_errors=True)

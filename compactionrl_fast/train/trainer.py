@@ -227,13 +227,13 @@ def sampler_gap(behaviour, batch, idx):
 
 
 def train_step(state: State, batches: list, *, update_actor: bool = True, diagnose: bool = True,
-               gap: bool = False, minibatches: list | None = None, check_sampler: bool = False) -> dict:
+               gap: bool = False, minibatches: list | None = None, measure_gap: bool = False) -> dict:
     """One PPO step over this rank's micro-batches (PackedBatch each, whole rollouts). Returns metrics.
 
     `minibatches`: lists of indices into `batches`, one actor optimiser step each, repeated for
     cfg.ppo_epochs (default: all micro-batches in one step). Every rank must pass the same number.
     `sampler/logp_absdiff_max` (the sampler-vs-learner gap, `sampler_gap`) is measured at every actor
-    update for free, and with an extra actor forward on a critic-only step when `check_sampler`.
+    update for free, and with an extra actor forward on a critic-only step when `measure_gap`.
     """
     cfg, actor, critic, group = state.cfg, state.actor, state.critic, state.group
     from ..ops import value_head, value_loss
@@ -288,11 +288,11 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
                 acc.add(_actor_update(state, sub(batches), sub(idx), sub(adv), sub(old), gaps), 1.0)
         out.update(acc.result())
         out["actor/lr"] = lr
-    elif check_sampler:
+    elif measure_gap:
         with torch.no_grad():
             gaps = [sampler_gap(actor_logprobs(actor, b, idx[i], temperature=cfg.temperature), b, idx[i])
                     for i, b in enumerate(batches)]
-    if update_actor or check_sampler:
+    if update_actor or measure_gap:
         out["sampler/logp_absdiff_max"] = float(torch.stack(gaps).max()) if gaps else 0.0
     # ---- diagnostics on the whole local batch
     if diagnose:
@@ -524,7 +524,7 @@ def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_di
             batches, minibatches = micro_batches(rollouts, cfg, pack, device)
             gap = bool(cfg.gap_every) and (it % cfg.gap_every == 0)
             metrics = train_step(state, batches, update_actor=not pretrain, gap=gap, minibatches=minibatches,
-                                 check_sampler=first)
+                                 measure_gap=first)
             t2 = time.perf_counter()
             if not pretrain:
                 sync_s += push_weights(engine, state.actor)

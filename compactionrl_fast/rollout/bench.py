@@ -50,12 +50,12 @@ def _vllm_engine(model, kv_cache_gib):
 
     from .engines import VLLMEngine
 
-    folder = tempfile.mkdtemp(prefix="crf-bench-vllm-")
-    model.save_pretrained(folder)
-    t = time.perf_counter()
-    eng = VLLMEngine(folder, kv_cache_gib=kv_cache_gib, dtype="float32", max_model_len=512, seed=0,
-                     enforce_eager=True, skip_tokenizer_init=True)
-    return eng, time.perf_counter() - t
+    with tempfile.TemporaryDirectory(prefix="crf-bench-vllm-") as folder:
+        model.save_pretrained(folder)
+        t = time.perf_counter()
+        eng = VLLMEngine(folder, kv_cache_gib=kv_cache_gib, dtype="float32", max_model_len=512, seed=0,
+                         enforce_eager=True, skip_tokenizer_init=True)
+        return eng, time.perf_counter() - t
 
 
 def main(argv=None):

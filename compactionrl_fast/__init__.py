@@ -10,6 +10,7 @@ from .ops import place_final_rewards, segment_gae
 from .ops import linear_logprobs, linear_logprobs_loss
 from .ops import (global_denominator, global_token_count, ppo_policy_loss, value_head, value_head_loss,
                   value_loss)
+from .ops import output_cache
 from .ops._dispatch import available as available_backends
 
 __version__ = "0.1.0"
@@ -25,7 +26,7 @@ _LAZY = {
 }
 _SUBMODULES = ("packing", "rollout", "envs", "train", "integrations", "reference", "demo", "cli")
 
-__all__ = ["segment_gae", "place_final_rewards", "available_backends", "__version__"]
+__all__ = ["segment_gae", "place_final_rewards", "available_backends", "output_cache", "__version__"]
 __all__ += ["linear_logprobs", "linear_logprobs_loss"]
 __all__ += ["ppo_policy_loss", "value_loss", "value_head", "value_head_loss", "global_token_count",
             "global_denominator"]

@@ -1,5 +1,6 @@
 """Public ops (one file each) with validation and backend dispatch."""
 from . import _dispatch
+from ._alloc import output_cache
 from .gae import place_final_rewards, segment_gae
 from .linear_logprobs import linear_logprobs, linear_logprobs_loss
 from ._reduction import global_denominator, global_token_count
@@ -12,4 +13,4 @@ _dispatch.cpp_ext()  # load the compiled ops (if built) so torch.ops.compactionr
 __all__ = ["segment_gae", "place_final_rewards"]
 __all__ += ["linear_logprobs", "linear_logprobs_loss"]
 __all__ += ["ppo_policy_loss", "value_loss", "value_head", "value_head_loss", "global_token_count",
-            "global_denominator"]
+            "global_denominator", "output_cache"]

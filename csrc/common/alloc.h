@@ -4,8 +4,14 @@
 #include <ATen/ATen.h>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 namespace crf {
+
+// csrc/cpu/output_cache.cpp: CPU tensors whose large blocks are reused across calls (no fresh pages).
+at::Tensor cpu_output_empty(at::IntArrayRef shape, const at::TensorOptions& opts);
+// -> {cached bytes, limit bytes, hits, misses}; limit >= 0 sets the limit; clear frees every cached block.
+std::vector<int64_t> cpu_output_cache(int64_t limit, bool clear);
 
 inline bool poison_outputs() {
   const char* v = std::getenv("COMPACTIONRL_FAST_POISON");
@@ -13,7 +19,7 @@ inline bool poison_outputs() {
 }
 
 inline at::Tensor empty_output(at::IntArrayRef shape, const at::TensorOptions& opts) {
-  at::Tensor t = at::empty(shape, opts);
+  at::Tensor t = opts.device().is_cpu() ? cpu_output_empty(shape, opts) : at::empty(shape, opts);
   if (poison_outputs() && at::isFloatingType(t.scalar_type())) t.fill_(std::numeric_limits<float>::quiet_NaN());
   return t;
 }

@@ -9,7 +9,6 @@ variant, and the paired difference to the full recipe) and NAME.png (learning cu
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -46,8 +45,9 @@ def interval(xs) -> dict:
 
 
 def run(base: TrainConfig, *, seeds=(0, 1, 2), variants=tuple(VARIANTS), name="ablations", argv=(),
-        progress=None) -> dict:
-    """Every variant on every seed; returns the results dict written to RUN_DIR/NAME.json."""
+        progress=None, workers="auto") -> dict:
+    """Every variant on every seed; returns the results dict written to RUN_DIR/NAME.json. The jobs (the SFT
+    of every seed, then every variant's RL run) run `workers` at a time as in the demo (`demo.run`)."""
     from . import demo
     from .train.plots import plot_run
 
@@ -57,32 +57,22 @@ def run(base: TrainConfig, *, seeds=(0, 1, 2), variants=tuple(VARIANTS), name="a
     if not seeds:
         raise ValueError("seeds must name at least one seed")
     progress = base.progress if progress is None else progress
+    workers = demo._workers(base, workers)
     tuner = demo.make_tuner(base.threads)
     t0 = time.time()
-    tok, make_envs, rcfg = demo.task(base)
     results = {"command": "python -m compactionrl_fast " + " ".join(argv), "config": to_dict(base),
-               "machine": demo._machine(base.threads), "versions": demo.versions(),
-               "variants": {v: VARIANTS[v][0] for v in variants}, "runs": {}}
+               "machine": {**demo._machine(base.threads), "demo_workers": workers}, "versions": demo.versions(),
+               "variants": {v: VARIANTS[v][0] for v in variants}, "runs": {str(s): {} for s in seeds}}
+    local = dict(tuner=tuner, engine=None, progress=progress)
+    sft_jobs = [(base, seed, base.eval_rollouts) for seed in seeds]
+    rl_jobs = [(base, seed, v, base.eval_rollouts, VARIANTS[v][1]) for seed in seeds for v in variants]
+    for (seed, _), res in demo._run_jobs(demo._sft_job, sft_jobs, workers, base, local):
+        results["runs"][str(seed)]["sft"] = res["sft"]
+    for (seed, v), res in demo._run_jobs(demo._rl_job, rl_jobs, workers, base, local):
+        results["runs"][str(seed)][v] = {**res[v], "time_s": res[f"{v}_time_s"]}
     for seed in seeds:
-        scfg = update(base, {"seed": seed})
-        root = os.path.join(base.run_dir, f"seed{seed}")
-        res = results["runs"][str(seed)] = {}
-        actor = demo.build(scfg, tok)
-        if scfg.sft.steps > 0:
-            demo.run_sft(update(scfg, {"run_dir": os.path.join(root, "sft")}), actor, tok, make_envs, rcfg,
-                         log=demo.MetricsLog(os.path.join(root, "sft")), tuner=tuner, progress=progress)
-        sft_weights = copy.deepcopy(actor.state_dict())
-        res["sft"] = demo.run_eval(actor, tok, make_envs, rcfg, base.eval_rollouts, base.temperature,
-                                   progress=progress, desc=f"eval   seed {seed} SFT")
         for v in variants:
-            actor.load_state_dict(sft_weights)
-            vcfg = update(scfg, {"run_dir": os.path.join(root, v), **VARIANTS[v][1]})
-            t = time.time()
-            demo.run_rl(vcfg, actor, tok, make_envs, rcfg, tuner=tuner, progress=progress)
-            res[v] = demo.run_eval(actor, tok, make_envs, rcfg, base.eval_rollouts, base.temperature,
-                                   progress=progress, desc=f"eval   seed {seed} {v}")
-            res[v]["time_s"] = time.time() - t
-            plot_run(vcfg.run_dir)
+            plot_run(os.path.join(base.run_dir, f"seed{seed}", v))
     results["total_time_s"] = time.time() - t0
     results["summary"] = summarise(results, variants)
     os.makedirs(base.run_dir, exist_ok=True)

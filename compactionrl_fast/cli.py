@@ -32,6 +32,20 @@ def _config_parser(prog, description, base):
     return p
 
 
+def _workers_arg(v: str):
+    import argparse
+
+    if v == "auto":
+        return v
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 or 'auto', got {v!r}")
+    return n
+
+
 def _demo(argv):
     from . import demo
     from .train.config import demo_config, from_args
@@ -47,6 +61,10 @@ def _demo(argv):
     p.add_argument("--record", action="store_true",
                    help="maintainers: also write the results to benchmarks/results/ and rewrite the README's demo "
                         "block from them (needs a source checkout)")
+    p.add_argument("--workers", type=_workers_arg, default="auto",
+                   help="N | auto: run the SFT jobs, then the RL jobs, N at a time in separate processes (each with "
+                        "cores // N threads unless --threads is a number); auto: one per core on CPU with the "
+                        "embedded engine, else 1 (default: auto)")
     args = p.parse_args(argv)
     if args.help_config:
         print(config_reference(demo_config()))
@@ -54,7 +72,8 @@ def _demo(argv):
     cfg = from_args(args, demo_config())
     ablation_seeds = [] if args.no_ablation else (args.ablation_seeds or args.seeds[:1])
     demo.run(cfg, seeds=args.seeds, ablation_seeds=ablation_seeds, eval_rollouts=cfg.eval_rollouts,
-             out_dir=args.out, name=args.name, argv=["demo"] + list(argv), record=args.record)
+             out_dir=args.out, name=args.name, argv=["demo"] + list(argv), record=args.record,
+             workers=args.workers)
     return 0
 
 
@@ -69,13 +88,15 @@ def _ablations(argv):
                    help="variants to run (default: all): " + "; ".join(f"{k}: {v[0]}" for k, v in
                                                                       ablations.VARIANTS.items()))
     p.add_argument("--name", default="ablations", help="file name stem of the table and figure (default: ablations)")
+    p.add_argument("--workers", type=_workers_arg, default="auto",
+                   help="N | auto: jobs at a time in separate processes, as in `demo` (default: auto)")
     args = p.parse_args(argv)
     if args.help_config:
         print(config_reference(demo_config()))
         return 0
     base = from_args(args, demo_config(run_dir="runs/ablations"))
     ablations.run(base, seeds=args.seeds, variants=args.variants, name=args.name,
-                  argv=["ablations"] + list(argv))
+                  argv=["ablations"] + list(argv), workers=args.workers)
     return 0
 
 

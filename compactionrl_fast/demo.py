@@ -13,7 +13,6 @@ results to `benchmarks/results/` and rewrites the README's demo block from them.
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import platform
@@ -36,10 +35,17 @@ SFT_SEED_BASE = 2_000_000_000  # demonstrations are seeded apart from RL and eva
 SFT_GREEDY_MAX, FULL_MIN, ABLATION_GAP = 0.1, 0.95, 0.3
 
 
+_POSITION = [None]  # this process's progress-bar line when jobs run in several processes at once
+
+
+def _bar_position(position):
+    _POSITION[0] = position
+
+
 def _tqdm(**kw):
     from tqdm.auto import tqdm
 
-    return tqdm(dynamic_ncols=True, **kw)
+    return tqdm(dynamic_ncols=True, position=_POSITION[0], **kw)
 
 
 def task(cfg: TrainConfig):
@@ -181,53 +187,48 @@ def summary_recall(rollouts) -> float | None:
 
 
 def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512, out_dir=None,
-        name="demo_cpu", argv=(), record=False, progress=None) -> dict:
+        name="demo_cpu", argv=(), record=False, progress=None, workers="auto") -> dict:
     """The whole demo; writes OUT/NAME.json, OUT/NAME.md, OUT/NAME.png (OUT: `out_dir`, default cfg.run_dir)
     and per-run plots. `record`: also write them to the checkout's benchmarks/results/ and rewrite the
-    README's demo block (maintainers; needs a source checkout). `progress`: bars (default cfg.progress)."""
+    README's demo block (maintainers; needs a source checkout). `progress`: bars (default cfg.progress).
+
+    Two phases: SFT (and its evaluation) of every seed, then every RL run (CompactionRL, and the ablation on
+    `ablation_seeds`) from its seed's SFT weights, each with its evaluation. `workers` > 1 runs the jobs of a
+    phase in that many processes at once (each with cores // workers torch threads unless cfg.threads is a
+    number); "auto": one per core on CPU with the embedded engine, else 1. A job's numbers do not depend on
+    where it runs, only (by rounding) on its thread count."""
     from .train.plots import plot_run
 
     out_dir = out_dir or cfg.run_dir
     progress = cfg.progress if progress is None else progress
     record_root = _checkout_root() if record else None  # fail before hours of training, not after
+    workers = _workers(cfg, workers)
     tuner = make_tuner(cfg.threads)  # before vLLM starts: in this process it fixes torch's thread count
     t0, c0 = time.time(), time.process_time()
-    tok, make_envs, rcfg = task(cfg)
+    tok, _, _ = task(cfg)
     shared = _shared_engine(cfg, tok)  # vLLM: one engine for every run, synced to each model
     results = {"command": "python -m compactionrl_fast " + " ".join(argv), "config": to_dict(cfg),
                "machine": _machine(cfg.threads), "versions": versions(), "runs": {}}
-    for seed in seeds:
-        scfg = update(cfg, {"seed": seed})
+    results["machine"]["demo_workers"] = workers
+    local = dict(tuner=tuner, engine=shared, progress=progress)
+    sft_jobs = [(cfg, seed, eval_rollouts) for seed in seeds]
+    rl_jobs = [(cfg, seed, vname, eval_rollouts) for seed in seeds
+               for vname in ("full",) + (("ablation",) if seed in ablation_seeds else ())]
+    job_cpu = 0.0
+    for fn, jobs in ((_sft_job, sft_jobs), (_rl_job, rl_jobs)):
+        for (seed, key), res in _run_jobs(fn, jobs, workers, cfg, local):
+            job_cpu += res.pop("cpu_s")
+            results["runs"].setdefault(str(seed), {}).update(res)
+            _print_eval(f"seed {seed} {key}", res[key])
+    for seed in seeds:  # plots here: one process draws them all
         root = os.path.join(cfg.run_dir, f"seed{seed}")
-        res = results["runs"][str(seed)] = {}
-        t = time.time()
-        actor = build(scfg, tok)
-        os.makedirs(root, exist_ok=True)
-        sft_m = run_sft(update(scfg, {"run_dir": os.path.join(root, "sft")}), actor, tok, make_envs, rcfg,
-                        log=MetricsLog(os.path.join(root, "sft")), tuner=tuner, progress=progress)
-        res["sft_time_s"] = time.time() - t
-        res["sft_final_loss"] = sft_m.get("sft/loss")
-        if scfg.sft.steps > 0:
-            plot_run(os.path.join(root, "sft"))
-        sft_weights = copy.deepcopy(actor.state_dict())
-        engine = shared or make_engine(scfg, actor, tok)
-        res["sft"] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature, progress=progress,
-                              desc=f"eval   seed {seed} SFT", engine=engine)
-        _print_eval(f"seed {seed} SFT", res["sft"])
-        variants = [("full", True)] + ([("ablation", False)] if seed in ablation_seeds else [])
-        for vname, train_summaries in variants:
-            t = time.time()
-            actor.load_state_dict(sft_weights)
-            vcfg = update(scfg, {"run_dir": os.path.join(root, vname), "train_summary_tokens": train_summaries})
-            run_rl(vcfg, actor, tok, make_envs, rcfg, tuner=tuner, progress=progress, engine=engine)
-            res[f"{vname}_time_s"] = time.time() - t
-            res[f"{vname}_phases_s"] = _phase_times(vcfg.run_dir)
-            res[vname] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature, progress=progress,
-                                  desc=f"eval   seed {seed} {vname}", engine=engine)
-            _print_eval(f"seed {seed} {vname}", res[vname])
-            plot_run(vcfg.run_dir)
+        for part in ("sft", "full", "ablation"):
+            if os.path.isfile(os.path.join(root, part, "metrics.jsonl")) and (part != "sft" or cfg.sft.steps > 0):
+                plot_run(os.path.join(root, part))
+    results["runs"] = {str(s): results["runs"][str(s)] for s in seeds}
     results["total_time_s"] = time.time() - t0
-    results["cpu_time_s"] = time.process_time() - c0  # this process, all threads
+    # this process (all threads) plus the jobs run in worker processes
+    results["cpu_time_s"] = time.process_time() - c0 + (job_cpu if workers > 1 else 0.0)
     results["machine"]["loadavg_end"] = os.getloadavg()
     if tuner is not None:  # which thread count won each probing window
         results["machine"]["threads_chosen"] = [best for _, _, best in tuner.history]
@@ -246,6 +247,81 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
         print(f"recorded in {os.path.join(record_root, 'benchmarks', 'results', name)}.{{json,md,png}} and README.md")
     print(targets_line(results["summary"]["targets"]))  # the last line: did the run meet the demo's targets
     return results
+
+
+def _workers(cfg: TrainConfig, workers) -> int:
+    """The number of job processes: an int >= 1, or "auto" (one per core on CPU with the embedded engine)."""
+    if workers == "auto":
+        on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+        return (os.cpu_count() or 1) if on_cpu and cfg.engine == "transformers" and world()[1] == 1 else 1
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"workers must be an int >= 1 or 'auto', got {workers!r}")
+    if workers > 1 and (cfg.engine != "transformers" or world()[1] > 1):
+        raise ValueError("workers > 1 needs the embedded engine (engine: transformers) and a single process "
+                         f"(got engine {cfg.engine!r}, world size {world()[1]})")
+    return workers
+
+
+def _run_jobs(fn, jobs, workers, cfg, local):
+    """fn(*job) for every job -> [((seed, key), result)] in job order: in this process (sharing its thread
+    tuner and engine) when there is one worker or one job, else in min(workers, jobs) spawned processes."""
+    if workers <= 1 or len(jobs) <= 1:
+        return [fn(*job, **local) for job in jobs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    n = min(workers, len(jobs))
+    threads = cfg.threads if isinstance(cfg.threads, int) and cfg.threads > 0 else max(1, (os.cpu_count() or 1) // n)
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                             initargs=(threads,)) as pool:
+        futures = [pool.submit(fn, *job, progress=local["progress"], position=i) for i, job in enumerate(jobs)]
+        return [f.result() for f in futures]
+
+
+def _worker_init(threads: int):
+    torch.set_num_threads(threads)
+
+
+def _sft_weights(cfg: TrainConfig, seed: int) -> str:
+    return os.path.join(cfg.run_dir, f"seed{seed}", "sft", "weights.pt")
+
+
+def _sft_job(cfg, seed, eval_rollouts, *, progress=True, tuner=None, engine=None, position=None):
+    """SFT of one seed from scratch; saves its weights for the RL jobs; -> ((seed, "sft"), results)."""
+    c0, t = time.process_time(), time.time()
+    _bar_position(position)
+    scfg = update(cfg, {"seed": seed, "run_dir": os.path.join(cfg.run_dir, f"seed{seed}", "sft")})
+    tok, make_envs, rcfg = task(scfg)
+    actor = build(scfg, tok)
+    os.makedirs(scfg.run_dir, exist_ok=True)
+    m = run_sft(scfg, actor, tok, make_envs, rcfg, log=MetricsLog(scfg.run_dir), tuner=tuner, progress=progress)
+    res = {"sft_time_s": time.time() - t, "sft_final_loss": m.get("sft/loss")}
+    torch.save(actor.state_dict(), _sft_weights(cfg, seed))
+    res["sft"] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature, progress=progress,
+                          desc=f"eval   seed {seed} SFT", engine=engine or make_engine(scfg, actor, tok))
+    res["cpu_s"] = time.process_time() - c0
+    return (seed, "sft"), res
+
+
+def _rl_job(cfg, seed, vname, eval_rollouts, overrides=None, *, progress=True, tuner=None, engine=None,
+            position=None):
+    """One RL run from the seed's SFT weights with config `overrides` (default: the demo's variants, "full",
+    or "ablation" with summary tokens out of the loss), and its evaluation; -> ((seed, vname), results)."""
+    c0, t = time.process_time(), time.time()
+    _bar_position(position)
+    if overrides is None:
+        overrides = {"train_summary_tokens": vname == "full"}
+    vcfg = update(cfg, {"seed": seed, "run_dir": os.path.join(cfg.run_dir, f"seed{seed}", vname), **overrides})
+    tok, make_envs, rcfg = task(vcfg)
+    actor = build(vcfg, tok)
+    actor.load_state_dict(torch.load(_sft_weights(cfg, seed), weights_only=True))
+    engine = engine or make_engine(vcfg, actor, tok)
+    run_rl(vcfg, actor, tok, make_envs, rcfg, tuner=tuner, progress=progress, engine=engine)
+    res = {f"{vname}_time_s": time.time() - t, f"{vname}_phases_s": _phase_times(vcfg.run_dir)}
+    res[vname] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature, progress=progress,
+                          desc=f"eval   seed {seed} {vname}", engine=engine)
+    res["cpu_s"] = time.process_time() - c0
+    return (seed, vname), res
 
 
 def _shared_engine(cfg: TrainConfig, tok):

@@ -3,7 +3,10 @@ plot, and the demo's protocol on a tiny budget (results files, table, targets)."
 import json
 import os
 
+import pytest
+
 from compactionrl_fast import cli, demo
+from compactionrl_fast.train.config import update
 
 from ._tiny import tiny_train_config
 
@@ -75,6 +78,41 @@ def test_demo_protocol_writes_results(tmp_path):
         assert set(r[k]) == {"sampled", "greedy"} and 0.0 <= r[k]["sampled"]["success"] <= 1.0
     assert set(res["summary"]["targets"]) == {"sft_greedy_le_0.1", "full_ge_0.95_every_seed", "ablation_ge_0.3_below"}
     assert "| 0 | CompactionRL |" in open(tmp_path / "res" / "d.md").read()
+
+
+def _numbers(run_dir):
+    """Every logged metric of every run of a demo run dir, wall times and thread counts left out."""
+    out = {}
+    for root, _, files in sorted(os.walk(run_dir)):
+        if "metrics.jsonl" in files:
+            rows = [json.loads(line) for line in open(os.path.join(root, "metrics.jsonl"))]
+            out[os.path.relpath(root, run_dir)] = [{k: v for k, v in r.items()
+                                                    if not k.startswith(("time/", "threads"))} for r in rows]
+    return out
+
+
+def test_demo_jobs_in_worker_processes_give_the_same_numbers(tmp_path):
+    """2 seeds x (SFT, full, ablation) in this process and in 2 worker processes, 1 thread each: every
+    evaluation and every logged metric bitwise equal (a job depends only on its seed and variant)."""
+    got = {}
+    for w in (1, 2):
+        cfg = update(tiny_train_config(tmp_path / f"runs{w}"), {"threads": 1})
+        res = demo.run(cfg, seeds=[0, 1], ablation_seeds=[1], eval_rollouts=8, out_dir=str(tmp_path / f"r{w}"),
+                       argv=["demo"], workers=w)
+        assert res["machine"]["demo_workers"] == w
+        got[w] = ({s: {k: r[k] for k in ("sft", "full", "ablation") if k in r} for s, r in res["runs"].items()},
+                  _numbers(cfg.run_dir))
+    assert list(got[1][0]) == ["0", "1"] and "ablation" in got[1][0]["1"] and "ablation" not in got[1][0]["0"]
+    assert got[1] == got[2]
+
+
+def test_demo_workers_argument():
+    cfg = tiny_train_config("unused")
+    with pytest.raises(ValueError, match="workers"):
+        demo.run(cfg, workers=0)
+    with pytest.raises(ValueError, match="embedded engine"):
+        demo._workers(update(cfg, {"engine": "vllm"}), 2)
+    assert demo._workers(update(cfg, {"engine": "vllm"}), "auto") == 1
 
 
 def test_cli_lists_the_commands(capsys):

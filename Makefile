@@ -6,7 +6,7 @@ PIP_DEPS = torch==2.13.0 triton numpy pytest pytest-benchmark transformers token
 CONSTRAINTS ?= constraints.txt
 PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: install build test test-vllm ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-check bench-rollout test-integrations check-cuda-build demo clean mutate
+.PHONY: install build test test-all test-vllm ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-check bench-rollout test-integrations check-cuda-build demo clean mutate
 
 install:            ## venv, dependencies (versions from constraints.txt), and the C++ extension; about 8 min
 	@echo "==> [1/4] virtual environment .venv"
@@ -23,7 +23,10 @@ install:            ## venv, dependencies (versions from constraints.txt), and t
 build:              ## rebuild the extension in place after editing csrc/
 	$(PY) setup.py build_ext --inplace -q
 
-test:               ## the whole test suite (CPU; Triton kernels under the interpreter; AOT compiles)
+test:               ## the test suite without the tests marked slow (about 4 min on the idle 2-core machine)
+	$(PY) -m pytest -q -m "not slow"
+
+test-all:           ## (CI) every test, the slow ones too (CPU; Triton kernels under the interpreter; AOT compiles)
 	$(PY) -m pytest -q
 
 ctest:              ## the C++ tests through CMake

@@ -24,6 +24,7 @@ def test_unknown_variant_is_rejected(tmp_path):
         ablations.run(tiny_train_config(tmp_path), seeds=[0], variants=["full", "nope"])
 
 
+@pytest.mark.slow
 def test_tiny_ablations_write_table_and_figure(tmp_path):
     cfg = tiny_train_config(tmp_path / "abl", eval_rollouts=4)
     res = ablations.run(cfg, seeds=[0, 1], variants=["full", "no-cross-segment"], name="t")

@@ -147,6 +147,7 @@ def run_mini_subprocess(run_dir: str, threads: int, env: dict, extra=()) -> dict
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores")
+@pytest.mark.slow
 def test_demo_miniature_bitwise_at_1_and_2_threads_in_mkl_strict_cnr_mode(tmp_path):
     # Without it MKL's GEMMs split their sums by the thread count: 2 threads then differ from 1 like another
     # CPU does (149 of 726 values, up to 7e-5 relative; the golden test's tolerances cover it). 30 SFT steps

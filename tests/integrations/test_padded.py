@@ -26,7 +26,8 @@ def _shift(pad, rows, cols, left):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["paper", "none", "stitched"])
 @pytest.mark.parametrize("left", [False, True])
-@pytest.mark.parametrize("case", ["empty_segments", "no_trainable", "single_token", "random"])
+@pytest.mark.parametrize("case", ["empty_segments", "no_trainable", "single_token",
+                                  pytest.param("random", marks=pytest.mark.slow)])
 def test_gae_padded_equals_packed_bitwise(backend, mode, left, case):
     shape = random_case(3, n_rollouts=6, max_len=90) if case == "random" else SHAPE_TABLE[case]
     b = packed_batch(shape, seed=2)

@@ -142,7 +142,8 @@ def _check_backend(backend, b, **kw):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", list(SHAPE_TABLE))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "long_multiblock" else c
+                                  for c in SHAPE_TABLE])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("mode", MODES)
 def test_backend_matches_reference_shape_table(backend, case, index_dtype, mode):
@@ -181,6 +182,7 @@ def test_accuracy_rule_can_fail():
         check_gae_accuracy(la, lr + 2 * (lr - wr) + off, b, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS + ["torch"])
 def test_huge_later_counts_do_not_overflow(backend):
     """(gamma*lam)^N with N ~ 300k must be a finite number (0 or tiny), never NaN/inf."""
@@ -331,6 +333,7 @@ def test_triton_blocks_and_chunks_cross_segments(monkeypatch, block, chunk):
 
 
 @needs_triton
+@pytest.mark.slow
 def test_triton_gpu_sized_blocks_on_long_segments(monkeypatch):
     """The GPU block size, chunks of two blocks: segments of up to 3001 tokens span several blocks and chunks."""
     _with_plan(monkeypatch, block=kgae.BLOCK, chunk=2 * kgae.BLOCK)
@@ -447,6 +450,7 @@ def _route_cpp_to_cuda_host(monkeypatch, lib):
 
 
 @pytest.mark.skipif("cpp" not in BACKENDS, reason="the cpp backend defines the op schema")
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(SHAPE_TABLE))
 def test_cuda_kernels_on_host_match_reference(monkeypatch, cuda_host_lib, case):
     lib, tile = cuda_host_lib
@@ -464,6 +468,7 @@ def test_cuda_kernels_on_host_match_reference(monkeypatch, cuda_host_lib, case):
 
 
 @pytest.mark.skipif("cpp" not in BACKENDS, reason="the cpp backend defines the op schema")
+@pytest.mark.slow
 def test_cuda_kernels_on_host_random_batches(monkeypatch, cuda_host_lib):
     lib, tile = cuda_host_lib
     if tile > 32:
@@ -546,7 +551,8 @@ LOOKBACK_KW = {"paper": dict(lam="adaptive", adaptive_length="rollout"),
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("tile,case,incl_every", [(16, "odd_lengths", 1), (16, "odd_lengths", 3),
                                                   (64, "empty_segments", 1), (64, "random", 1), (16, "random", 2),
-                                                  (16, "random", 1 << 20), (1 << 15, "long_multiblock", 1)])
+                                                  pytest.param(16, "random", 1 << 20, marks=pytest.mark.slow),
+                                                  pytest.param(1 << 15, "long_multiblock", 1, marks=pytest.mark.slow)])
 def test_lookback_plan_matches_reference(monkeypatch, mode, tile, case, incl_every):
     """Tiles that start, end and split segments and rollouts; 1 to many tiles; every cross-segment mode,
     adaptive lambda on both bases; placed segments on the random case. The interpreter runs the tiles one
@@ -598,6 +604,7 @@ def test_nan_value_stays_in_its_recurrence(monkeypatch, plan):
 
 
 @needs_triton
+@pytest.mark.slow
 @pytest.mark.parametrize("carry_block", [2, 128])
 def test_triton_write_pass_composes_many_later_chunks(monkeypatch, carry_block):
     """The chunk plan's write pass composes the maps of the later chunks itself, CARRY_BLOCK at a time, up to
@@ -628,6 +635,7 @@ def test_triton_write_pass_composes_many_later_chunks(monkeypatch, carry_block):
 
 
 @needs_triton
+@pytest.mark.slow
 def test_triton_unchecked_bad_offsets_never_crash_in_any_plan():
     """COMPACTIONRL_FAST_CHECKS=0 (CUDA's default): the Triton kernels read the offsets themselves and clamp
     them (no host-side sanitizing), so bad cu_seqlens / cu_segments give some numbers, never an access
@@ -725,6 +733,7 @@ def _cpu_paths_agree(monkeypatch, b, **kw):
 
 
 @pytest.mark.skipif("cpp" not in BACKENDS, reason="the C++ extension is not built")
+@pytest.mark.slow
 def test_cpu_long_chains_cut_into_pieces(monkeypatch):
     """Chains longer than 2 x max(16K, T/16) tokens are scanned in pieces whose carries come from their maps:
     the accuracy rule on every mode, adaptive and per-segment lambda, the critic's own lambda, placed segments;

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from compactionrl_fast.train import checkpoint
@@ -59,6 +60,7 @@ def _assert_equal(a, b, where="state"):
         assert a == b, where
 
 
+@pytest.mark.slow
 def test_kill_9_anywhere_then_restart_equals_an_uninterrupted_run(tmp_path):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
     ref = _start(ref_dir)

@@ -91,6 +91,7 @@ def _numbers(run_dir):
     return out
 
 
+@pytest.mark.slow
 def test_demo_jobs_in_worker_processes_give_the_same_numbers(tmp_path):
     """2 seeds x (SFT, full, ablation) in this process and in 2 worker processes, 1 thread each: every
     evaluation and every logged metric bitwise equal (a job depends only on its seed and variant)."""

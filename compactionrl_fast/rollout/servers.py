@@ -153,7 +153,7 @@ def server_args(model: str, port: int, *, host="127.0.0.1", dtype="float32", kv_
 
 
 def launch(model: str, replicas: int = 1, *, python: str | None = None, host: str = "127.0.0.1",
-           startup_timeout_s: float = 600.0, log_dir: str | None = None, entry: str = ENTRY, env=None,
+           startup_timeout_s: float = 600.0, log_dir: str | None = None, entry: str | None = None, env=None,
            **server_kw) -> Fleet:
     """Start `replicas` vLLM servers of `model` (a local folder) on free ports; return when all answer
     `/health`.
@@ -165,7 +165,7 @@ def launch(model: str, replicas: int = 1, *, python: str | None = None, host: st
         startup_timeout_s: per replica; a replica that exits or is not healthy in time fails the launch
             (RuntimeError with the end of its log) and every replica started is stopped.
         log_dir: where each replica's stdout+stderr goes (None: a temporary folder).
-        entry: the server module (`-m`); tests put a fake server here.
+        entry: the server module (`-m`; None: ENTRY, vLLM's); tests put a fake server here.
         env: extra environment variables for the replicas.
         server_kw: `server_args` keywords (dtype, kv_cache_gib, max_model_len, seed, enforce_eager,
             chunked_prefill, max_num_seqs, served_model_name, extra_args).
@@ -185,7 +185,7 @@ def launch(model: str, replicas: int = 1, *, python: str | None = None, host: st
     def start(i):
         port = free_port(host)
         log = os.path.join(log_dir, f"replica{i}.log")
-        cmd = [python or sys.executable, "-m", entry] + server_args(model, port, host=host, **server_kw)
+        cmd = [python or sys.executable, "-m", entry or ENTRY] + server_args(model, port, host=host, **server_kw)
         with open(log, "w") as f:
             f.write(" ".join(cmd) + "\n")
             f.flush()

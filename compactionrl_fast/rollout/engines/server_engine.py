@@ -170,12 +170,7 @@ class ServerEngine(Engine):
         if cap == 0:
             return Generation([], [], "length")  # the server refuses max_tokens=0
         httpx = _httpx()
-        body = {"model": self.model, "prompt": [int(t) for t in prompt], "max_tokens": int(cap),
-                "temperature": float(temperature), "top_p": float(top_p), "logprobs": 0,
-                "stop_token_ids": list(stops), "return_token_ids": True, "return_tokens_as_token_ids": True,
-                "skip_special_tokens": False, "ignore_eos": False}
-        if seed is not None:
-            body["seed"] = int(seed)
+        body = request_body(self.model, prompt, cap, temperature, top_p, stops, seed)
         tried = set()
         async with self._sem:
             for _attempt in range(self.retries + 1):
@@ -344,6 +339,18 @@ class ServerEngine(Engine):
         if getattr(self, "_tmp", None) is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def request_body(model, prompt, cap, temperature, top_p, stops, seed) -> dict:
+    """The JSON body of one `/v1/completions` request: token-id prompt, the sampled token's log-prob, token
+    ids back (also without a tokenizer on the server), `seed` only when given."""
+    body = {"model": model, "prompt": [int(t) for t in prompt], "max_tokens": int(cap),
+            "temperature": float(temperature), "top_p": float(top_p), "logprobs": 0,
+            "stop_token_ids": [int(t) for t in stops], "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False, "ignore_eos": False}
+    if seed is not None:
+        body["seed"] = int(seed)
+    return body
 
 
 def _parse(j, stops) -> Generation:

@@ -235,9 +235,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     fleet = launch(a.model, a.replicas, python=a.python, log_dir=a.log_dir, dtype=a.dtype,
                    kv_cache_gib=a.kv_cache_gib, max_model_len=a.max_model_len, seed=a.seed, extra_args=a.extra)
-    print(" ".join(fleet.urls), flush=True)
-    print(f"logs: {os.path.dirname(fleet.logs[0])}; Ctrl-C stops the replicas", flush=True)
     try:
+        print(" ".join(fleet.urls), flush=True)
+        print(f"logs: {os.path.dirname(fleet.logs[0])}; Ctrl-C stops the replicas", flush=True)
         while all(p.poll() is None for p in fleet.procs):
             time.sleep(1)
         print("a replica exited; stopping the others", file=sys.stderr, flush=True)

@@ -78,3 +78,25 @@ def test_replicas_stop_when_the_launcher_is_stopped(how):
         assert wait_dead(pids), how
     finally:
         p.kill()
+
+
+def test_the_command_prints_the_urls_and_stops_the_replicas_on_ctrl_c():
+    import urllib.request
+
+    code = (f"import sys, compactionrl_fast.rollout.servers as s; s.ENTRY = {FAKE!r}; "
+            "sys.exit(s.main(['some/model', '--replicas', '2']))")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        urls = p.stdout.readline().split()
+        assert len(urls) == 2
+        for u in urls:
+            with urllib.request.urlopen(u + "/v1/models", timeout=5) as r:
+                assert r.status == 200
+        p.send_signal(signal.SIGINT)
+        assert p.wait(30) == 0, p.stderr.read()[-2000:]
+        for u in urls:
+            with pytest.raises(OSError):
+                urllib.request.urlopen(u + "/v1/models", timeout=2)
+    finally:
+        p.kill()

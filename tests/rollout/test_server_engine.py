@@ -2,6 +2,7 @@
 it sends, least-outstanding balancing, the in-flight bound, retries on 5xx / timeouts / a replica killed
 mid-batch with every request answered exactly once, the error when no replica is left, weight sync to every
 replica; async episodes over it."""
+import asyncio
 import threading
 import time
 import warnings
@@ -14,7 +15,7 @@ from compactionrl_fast.envs import MemoryEnv, memory_config, memory_tokenizer  #
 from compactionrl_fast.rollout import run_rollouts  # noqa: E402
 from compactionrl_fast.rollout.engines.server_engine import ServerEngine, ServerFleetError  # noqa: E402
 from compactionrl_fast.rollout.engines.vllm_engine import row_seed  # noqa: E402
-from compactionrl_fast.rollout.episodes import run_episodes  # noqa: E402
+from compactionrl_fast.rollout.episodes import arun_episodes, run_episodes  # noqa: E402
 
 from .fake_server import FakeServer, completion  # noqa: E402
 
@@ -186,8 +187,9 @@ def test_episodes_and_lockstep_over_servers_and_a_kill_mid_batch(servers):
         assert eng.requests - n0 == calls <= a.completions + b.completions - n0
         assert not eng.stats()[a.url]["alive"]
         solo = engine([b])
-        again = run_episodes(solo, [MemoryEnv() for _ in range(32)], TOK, cfg)
+        again = run_episodes(solo, [MemoryEnv() for _ in range(32)], TOK, cfg)  # on the engine's loop
+        hop = asyncio.run(arun_episodes(solo, [MemoryEnv() for _ in range(32)], TOK, cfg))  # from another loop
         solo.close()
-        assert again == ros  # the kill changed nothing: same seeds, same answers on the survivor
+        assert again == ros == hop  # the kill changed nothing: same seeds, same answers on the survivor
     finally:
         eng.close()

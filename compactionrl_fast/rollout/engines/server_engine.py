@@ -225,10 +225,15 @@ class ServerEngine(Engine):
         """One completion of one prompt (token ids), awaitable from any event loop; `seed` is used as given."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        fut = asyncio.run_coroutine_threadsafe(
-            self._complete(prompt, max_new_tokens, temperature, top_p, [int(t) for t in stop_token_ids], seed),
-            self._loop)
-        return await asyncio.wrap_future(fut)
+        coro = self._complete(prompt, max_new_tokens, temperature, top_p, [int(t) for t in stop_token_ids], seed)
+        if asyncio.get_running_loop() is self._loop:  # episodes on the engine's own loop: no thread hop
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    def run_coroutine(self, coro):
+        """Run `coro` on the engine's event loop and return its result (`run_episodes` runs its episodes
+        there: each request then goes out without a hop between threads)."""
+        return self._run(coro)
 
     # ---------------------------------------------------------------- weights
 

@@ -16,7 +16,6 @@ import json
 import random
 import sys
 import threading
-import time
 import zlib
 
 EOS = 2
@@ -68,8 +67,17 @@ class FakeServer:
         self.loop.call_soon_threadsafe(k)
 
     def stop(self):
+        if not self.loop.is_running():
+            return
         self.kill()
-        time.sleep(0.1)  # let the loop close the aborted connections before it stops
+
+        async def drain():  # end every connection's task (a hung answer too) before the loop stops
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(drain(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
 

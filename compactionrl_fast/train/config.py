@@ -437,8 +437,8 @@ HELP = {
     "server.max_in_flight": "requests in flight over all replicas at most",
     "server.timeout_s": "seconds per request on one replica before it is retried on another",
     "server.retries": "further attempts of a failed request (timeout, 5xx, lost connection), on other replicas",
-    "server.max_failures": "consecutive failures that take a replica out of rotation (a refused or dropped "
-                           "connection takes it out at once)",
+    "server.max_failures": "consecutive failures that take a replica out of rotation (a refused connection "
+                           "takes it out at once)",
     "server.startup_timeout_s": "seconds each local replica may take to answer /health",
     "server.weights_dir": "folder for the weight sync's safetensors file, readable by every replica; null: a "
                           "temporary folder (replicas on this machine)",

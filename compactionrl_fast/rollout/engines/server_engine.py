@@ -14,8 +14,8 @@ requests outstanding.
 
 Faults: a request that times out (`timeout_s`), gets a 5xx or loses its connection is sent again, same
 body and seed, to another replica (`retries` more attempts at most). Its result is the one response that
-arrives: a failed attempt yields nothing, so no request is counted twice. A replica that refuses or drops
-a connection, or fails `max_failures` times in a row, is taken out of rotation for good. When no replica
+arrives: a failed attempt yields nothing, so no request is counted twice. A replica that refuses a
+connection, or fails `max_failures` times in a row, is taken out of rotation for good. When no replica
 is left, or a request has used up its retries, `ServerFleetError` names every URL and how it failed. A 4xx
 is the request's own fault (every replica would refuse it): ValueError at once.
 
@@ -153,7 +153,7 @@ class ServerEngine(Engine):
                 r.raise_for_status()
                 return r.json()["data"][0]["id"]
             except (httpx.HTTPError, asyncio.TimeoutError, KeyError, IndexError, ValueError) as e:
-                self._fail(rep, f"GET /v1/models: {type(e).__name__}: {e}", dead=isinstance(e, httpx.TransportError))
+                self._fail(rep, f"GET /v1/models: {type(e).__name__}: {e}", dead=isinstance(e, httpx.ConnectError))
         raise self._fleet_error("no replica answered GET /v1/models (pass model= to skip the question)")
 
     def _pick(self, tried):
@@ -185,8 +185,11 @@ class ServerEngine(Engine):
                 except asyncio.TimeoutError:
                     self._fail(rep, f"no answer within timeout_s={self.timeout_s:g}")
                     continue
-                except httpx.TransportError as e:  # refused, reset, the server died mid-request
-                    self._fail(rep, f"{type(e).__name__}: {e or 'connection failed'}", dead=True)
+                except httpx.TransportError as e:
+                    # refused: nothing listens there any more, out at once; a connection lost mid-request
+                    # (the server died, or closed a kept-alive connection as it was reused) counts as a failure
+                    self._fail(rep, f"{type(e).__name__}: {e or 'connection lost'}",
+                               dead=isinstance(e, httpx.ConnectError))
                     continue
                 finally:
                     rep.outstanding -= 1

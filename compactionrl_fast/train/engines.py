@@ -1,4 +1,5 @@
-"""The rollout engine of a training run, from `cfg.engine` (transformers | vllm) and `cfg.vllm`."""
+"""The rollout engine of a training run, from `cfg.engine` (transformers | vllm | server), `cfg.vllm` and
+`cfg.server`."""
 from __future__ import annotations
 
 import tempfile
@@ -11,7 +12,37 @@ def make_engine(cfg, actor, tok):
 
     if cfg.engine == "transformers":
         return TransformersEngine(actor, pad_token_id=tok.pad_token_id)
+    if cfg.engine == "server":
+        return _server(cfg, actor)
     return _vllm(cfg, actor)
+
+
+def _server(cfg, actor):
+    """ServerEngine on `server.urls`, or on `server.replicas` local vLLM replicas started from a copy of the
+    actor (a folder that lives as long as the engine: the replicas read it at start)."""
+    from ..rollout.engines.server_engine import ServerEngine
+    from .config import server_urls
+
+    s, v = cfg.server, cfg.vllm
+    kw = dict(max_in_flight=s.max_in_flight, timeout_s=s.timeout_s, retries=s.retries, max_failures=s.max_failures,
+              weights_dir=s.weights_dir, async_episodes=s.async_episodes)
+    if s.replicas == 0:
+        return ServerEngine(server_urls(s.urls), **kw)
+    from ..rollout import servers
+
+    folder = tempfile.TemporaryDirectory(prefix="crf-server-model-")
+    actor.save_pretrained(folder.name)
+    fleet = servers.launch(folder.name, s.replicas, python=s.python, startup_timeout_s=s.startup_timeout_s,
+                           log_dir=s.log_dir, dtype=cfg.model.dtype if v.dtype == "auto" else v.dtype,
+                           kv_cache_gib=s.kv_cache_gib, max_model_len=actor.config.max_position_embeddings,
+                           seed=cfg.seed, enforce_eager=v.enforce_eager, max_num_seqs=v.max_num_seqs,
+                           chunked_prefill=v.chunked_prefill == "on", cpu_binds=list(s.cpu_binds) or None)
+    fleet.model_folder = folder  # removed with the fleet's owner
+    try:
+        return ServerEngine(fleet.urls, fleet=fleet, **kw)
+    except BaseException:
+        fleet.close()
+        raise
 
 
 def _vllm(cfg, actor):

@@ -25,11 +25,22 @@ def push_weights(engine, actor) -> float:
     return time.perf_counter() - t
 
 
-def check_sampler(gap, tol, step: int, engine) -> None:
+def check_sampler(gap, tol, step: int, engine, actor=None) -> None:
     """Raise SamplerMismatchError when `gap` (max |trainer - sampler| log-prob) is not within `tol`
-    (None: the guard is off). NaN fails."""
+    (None: the guard is off). NaN fails. With several replicas (an engine with `replica_gaps`, e.g.
+    ServerEngine) and `actor`, the message gives each replica's gap on a probe completion."""
     if tol is None or gap is None or gap <= tol:
         return
+    per = ""
+    if actor is not None and callable(getattr(engine, "replica_gaps", None)):
+        try:
+            gaps = engine.replica_gaps(actor)
+        except Exception as e:  # noqa: BLE001 -- the guard's own error comes first
+            gaps = {"(probe failed)": f"{type(e).__name__}: {e}"}
+        if gaps:
+            per = " Per replica (max gap on a probe completion): " + "; ".join(
+                f"{u}: {g:.3g}" + (" > tol" if g > tol else "") if isinstance(g, float) else f"{u}: {g}"
+                for u, g in gaps.items()) + "."
     raise SamplerMismatchError(
         f"sampler-vs-learner gap at step {step}: max |trainer log-prob - rollout log-prob| = "
         f"{gap if math.isfinite(gap) else gap!r} > sampler_logp_tol = {tol} over the step's trainable tokens "
@@ -38,4 +49,4 @@ def check_sampler(gap, tol, step: int, engine) -> None:
         "sharing the parameters, or a load_weights that does not take effect); (2) a different model or dtype in "
         "the engine (a bfloat16 engine needs a looser tolerance, see docs/config.md); (3) an engine bug or "
         "log-probs of another distribution (temperature, top_p < 1, vLLM's logprobs_mode). Set "
-        "sampler_logp_tol: null to train anyway.")
+        "sampler_logp_tol: null to train anyway." + per)

@@ -486,6 +486,18 @@ def evaluate(engine, make_envs, tokenizer, rollout_cfg, n: int, *, temperature: 
     return m, out
 
 
+def _rollouts_fn(engine):
+    """run_episodes (independent async episodes) for an engine that asks for them (ServerEngine), else the
+    lockstep run_rollouts."""
+    if getattr(engine, "async_episodes", False):
+        from ..rollout.episodes import run_episodes
+
+        return run_episodes
+    from ..rollout.loop import run_rollouts
+
+    return run_rollouts
+
+
 def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_dir: str, log: MetricsLog | None = None,
         progress=None, eval_fn=None, metrics_fn=None, chat=None, tuner=None) -> State:
     """Value pre-training then PPO, from `state.step` to `value_pretrain_steps + steps` iterations.
@@ -518,8 +530,8 @@ def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_di
             t0 = time.perf_counter()
             # the sampling seed is a function of the step too: a resumed run draws the same rollouts
             rcfg = rollout_cfg.replace(temperature=cfg.temperature, seed=(cfg.seed * 100_003 + it) * 1009 + rank)
-            rollouts = run_rollouts(engine, make_envs(n_local), tokenizer, rcfg,
-                                    train_seeds(cfg, it, rank, n_local), chat=chat)
+            rollouts = _rollouts_fn(engine)(engine, make_envs(n_local), tokenizer, rcfg,
+                                            train_seeds(cfg, it, rank, n_local), chat=chat)
             t1 = time.perf_counter()
             batches, minibatches = micro_batches(rollouts, cfg, pack, device)
             gap = bool(cfg.gap_every) and (it % cfg.gap_every == 0)
@@ -546,7 +558,7 @@ def fit(state: State, *, engine, make_envs, tokenizer, rollout_cfg, pack, run_di
         bad = cfg.sampler_logp_tol is not None and gap_now is not None and not gap_now <= cfg.sampler_logp_tol
         if it % cfg.log_every == 0 or state.step == total or bad:
             log.log(it, metrics)
-        check_sampler(gap_now, cfg.sampler_logp_tol, it, engine)
+        check_sampler(gap_now, cfg.sampler_logp_tol, it, engine, actor=state.actor)
         sync_s, first = 0.0, False
         if progress is not None:
             progress.update(1)

@@ -210,3 +210,33 @@ def test_gpu_check_passes_only_keywords_vllm_accepts():
     assert calls, "vllm_gpu_check.py no longer builds a VLLMEngine"
     used = {k.arg for c in calls for k in c.keywords if k.arg}
     assert used and not used - _accepted_llm_keywords(), sorted(used - _accepted_llm_keywords())
+
+
+def test_server_engine_requests_and_routes_exist():
+    """ServerEngine (rollout/engines/server_engine.py) and the launcher (rollout/servers.py) against this vLLM's
+    server: every request field is a CompletionRequest field and validates, the response fields it reads
+    exist, the server module and the dev routes of the weight sync are there, and every launcher flag maps
+    to an EngineArgs field (the real servers: tests/vllm/test_server_engine.py)."""
+    import importlib.util
+
+    from vllm.entrypoints.openai.completion import protocol
+    from vllm.entrypoints.serve.dev.cache import api_router as cache_router
+    from vllm.entrypoints.serve.dev.rpc import api_router as rpc_router
+
+    from compactionrl_fast.rollout import servers
+    from compactionrl_fast.rollout.engines.server_engine import request_body
+
+    body = request_body("m", [1, 2, 3], 8, 1.0, 1.0, [2], 12345)
+    assert set(body) <= set(protocol.CompletionRequest.model_fields), set(body) - set(protocol.CompletionRequest.model_fields)
+    req = protocol.CompletionRequest(**body)
+    assert req.prompt == [1, 2, 3] and req.logprobs == 0 and req.return_token_ids and req.seed == 12345
+    assert {"token_ids", "finish_reason", "logprobs"} <= set(protocol.CompletionResponseChoice.model_fields)
+    assert "token_logprobs" in protocol.CompletionLogProbs.model_fields
+    assert importlib.util.find_spec(servers.ENTRY) is not None
+    paths = {getattr(r, "path", None) for m in (rpc_router, cache_router) for r in m.router.routes}
+    assert {"/collective_rpc", "/reset_prefix_cache"} <= paths
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    args = servers.server_args("m", 8000, kv_cache_gib=0.25, max_model_len=512, max_num_seqs=8,
+                               served_model_name="x", chunked_prefill=False)
+    flags = [a[2:].replace("-", "_").removeprefix("no_") for a in args if a.startswith("--")]
+    assert set(flags) - {"host", "port"} <= fields, set(flags) - {"host", "port"} - fields

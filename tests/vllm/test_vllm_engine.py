@@ -21,10 +21,11 @@ except Exception as e:  # noqa: BLE001 -- not testable here: say why
 
 from compactionrl_fast import demo  # noqa: E402
 from compactionrl_fast.envs import MemoryEnv, memory_config, memory_tokenizer  # noqa: E402
-from compactionrl_fast.packing import pack  # noqa: E402
 from compactionrl_fast.rollout import TransformersEngine, VLLMEngine, run_rollouts  # noqa: E402
 from compactionrl_fast.train.config import ModelConfig  # noqa: E402
 from compactionrl_fast.train.model import build_actor  # noqa: E402
+
+from ._hf import hf_logprobs, logp_error  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOGP_ATOL = 1e-4  # float32 vLLM vs float32 Hugging Face forward
@@ -43,23 +44,6 @@ def setup(request, tmp_path_factory):
                      skip_tokenizer_init=True)
     yield tok, model, eng
     eng.close()
-
-
-@torch.no_grad()
-def hf_logprobs(model, batch):
-    """log-prob [T] of every token given its attention sequence's prefix, by a plain HF forward."""
-    out = torch.zeros(batch.num_tokens)
-    for a0, a1 in zip(batch.cu_attn[:-1].tolist(), batch.cu_attn[1:].tolist()):
-        ids = batch.input_ids[a0:a1]
-        logits = model(input_ids=ids[None]).logits[0].float()
-        out[a0 + 1:a1] = torch.log_softmax(logits[:-1], -1).gather(1, ids[1:, None])[:, 0]
-    return out
-
-
-def logp_error(model, rollouts):
-    b = pack(rollouts, prefix_sharing=True, mask_errors=False)
-    m = b.loss_mask
-    return (hf_logprobs(model, b)[m] - b.rollout_logprobs[m]).abs().max().item(), int(m.sum())
 
 
 def rollouts(eng, tok, n=16, seed=1, temperature=1.0):

@@ -162,7 +162,8 @@ def test_only_some_inputs_need_grad(backend):
     assert rel(gh, rh) < 5e-6
     with torch.no_grad():
         lp2 = crf.linear_logprobs(h, w, y, bias=b, backend=backend)
-    assert not lp2.requires_grad and torch.equal(lp2, lp.detach())
+    # another chunk size: other matmul shapes, which MKL may round differently (it does with AVX2 kernels)
+    assert not lp2.requires_grad and rel(lp2, lp.detach()) < 5e-6
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -206,7 +206,7 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
     record_root = _checkout_root() if record else None  # fail before hours of training, not after
     workers = _workers(cfg, workers)
     tuner = make_tuner(cfg.threads)  # before vLLM starts: in this process it fixes torch's thread count
-    t0, c0 = time.time(), time.process_time()
+    t0, c0, k0 = time.time(), time.process_time(), _children_cpu()
     tok, _, _ = task(cfg)
     shared = _shared_engine(cfg, tok)  # vLLM: one engine for every run, synced to each model
     results = {"command": "python -m compactionrl_fast " + " ".join(argv), "config": to_dict(cfg),
@@ -216,10 +216,8 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
     sft_jobs = [(cfg, seed, eval_rollouts) for seed in seeds]
     rl_jobs = [(cfg, seed, vname, eval_rollouts) for seed in seeds
                for vname in ("full",) + (("ablation",) if seed in ablation_seeds else ())]
-    job_cpu = 0.0
     for fn, jobs in ((_sft_job, sft_jobs), (_rl_job, rl_jobs)):
         for (seed, key), res in _run_jobs(fn, jobs, workers, cfg, local):
-            job_cpu += res.pop("cpu_s")
             results["runs"].setdefault(str(seed), {}).update(res)
             _print_eval(f"seed {seed} {key}", res[key])
     for seed in seeds:  # plots here: one process draws them all
@@ -229,8 +227,8 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
                 plot_run(os.path.join(root, part))
     results["runs"] = {str(s): results["runs"][str(s)] for s in seeds}
     results["total_time_s"] = time.time() - t0
-    # this process (all threads) plus the jobs run in worker processes
-    results["cpu_time_s"] = time.process_time() - c0 + (job_cpu if workers > 1 else 0.0)
+    # this process (all threads) plus its finished child processes (the job workers)
+    results["cpu_time_s"] = time.process_time() - c0 + _children_cpu() - k0
     results["machine"]["loadavg_end"] = os.getloadavg()
     if tuner is not None:  # which thread count won each probing window
         results["machine"]["threads_chosen"] = [best for _, _, best in tuner.history]
@@ -280,6 +278,14 @@ def _run_jobs(fn, jobs, workers, cfg, local):
         return [f.result() for f in futures]
 
 
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished (waited-for) child processes."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def _worker_init(threads: int):
     torch.set_num_threads(threads)
 
@@ -290,7 +296,7 @@ def _sft_weights(cfg: TrainConfig, seed: int) -> str:
 
 def _sft_job(cfg, seed, eval_rollouts, *, progress=True, tuner=None, engine=None, position=None):
     """SFT of one seed from scratch; saves its weights for the RL jobs; -> ((seed, "sft"), results)."""
-    c0, t = time.process_time(), time.time()
+    t = time.time()
     _bar_position(position)
     scfg = update(cfg, {"seed": seed, "run_dir": os.path.join(cfg.run_dir, f"seed{seed}", "sft")})
     tok, make_envs, rcfg = task(scfg)
@@ -301,7 +307,6 @@ def _sft_job(cfg, seed, eval_rollouts, *, progress=True, tuner=None, engine=None
     torch.save(actor.state_dict(), _sft_weights(cfg, seed))
     res["sft"] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature, progress=progress,
                           desc=f"eval   seed {seed} SFT", engine=engine or make_engine(scfg, actor, tok))
-    res["cpu_s"] = time.process_time() - c0
     return (seed, "sft"), res
 
 
@@ -309,7 +314,7 @@ def _rl_job(cfg, seed, vname, eval_rollouts, overrides=None, *, progress=True, t
             position=None):
     """One RL run from the seed's SFT weights with config `overrides` (default: the demo's variants, "full",
     or "ablation" with summary tokens out of the loss), and its evaluation; -> ((seed, vname), results)."""
-    c0, t = time.process_time(), time.time()
+    t = time.time()
     _bar_position(position)
     if overrides is None:
         overrides = {"train_summary_tokens": vname == "full"}
@@ -322,7 +327,6 @@ def _rl_job(cfg, seed, vname, eval_rollouts, overrides=None, *, progress=True, t
     res = {f"{vname}_time_s": time.time() - t, f"{vname}_phases_s": _phase_times(vcfg.run_dir)}
     res[vname] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature, progress=progress,
                           desc=f"eval   seed {seed} {vname}", engine=engine)
-    res["cpu_s"] = time.process_time() - c0
     return (seed, vname), res
 
 

@@ -1,7 +1,15 @@
-"""The Hugging Face forward the real-engine tests compare sampled log-probs with."""
+"""Helpers of the real-engine tests: the Hugging Face forward they compare sampled log-probs with, and a short
+`train` run through the command line."""
+import json
+import os
+import subprocess
+import sys
+
 import torch
 
 from compactionrl_fast.packing import pack
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @torch.no_grad()
@@ -20,3 +28,16 @@ def logp_error(model, rollouts):
     b = pack(rollouts, prefix_sharing=True, mask_errors=False)
     m = b.loss_mask
     return (hf_logprobs(model, b)[m] - b.rollout_logprobs[m]).abs().max().item(), int(m.sum())
+
+
+def train_cli(run, engine: str, steps: int, sets=()):
+    """`python -m compactionrl_fast train --engine ENGINE` on the tiny demo model in a fresh process (threads 1,
+    the guard at its default 1e-3) into `run`; asserts it succeeds and returns its metrics rows."""
+    cmd = [sys.executable, "-m", "compactionrl_fast", "train", "--engine", engine, "--run-dir", str(run),
+           "--steps", str(steps), "--value-pretrain-steps", "1", "--rollouts-per-step", "8", "--actor-lr", "1e-3",
+           "--critic-lr", "1e-3", "--threads", "1", "--progress", "false", "--checkpoint-every", "0",
+           "--set", "model.hidden_size=64", "--set", "model.num_heads=2", "--set", "sft.steps=5",
+           "--set", "rollout.truncated_reward=-1", *[a for kv in sets for a in ("--set", kv)]]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]

@@ -4,11 +4,8 @@ module by the launcher (rollout/servers.py) from a tiny Llama of the demo's shap
 weight sync reaching both replicas, the guard naming a replica left behind, a short `train --engine server`
 run on the same servers, and (last) one replica SIGKILLed mid-batch with every episode completed once."""
 import copy
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -29,9 +26,8 @@ from compactionrl_fast.rollout.episodes import run_episodes  # noqa: E402
 from compactionrl_fast.train.config import ModelConfig  # noqa: E402
 from compactionrl_fast.train.model import build_actor  # noqa: E402
 
-from ._hf import hf_logprobs, logp_error  # noqa: E402
+from ._shared import hf_logprobs, logp_error, train_cli  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOGP_ATOL = 1e-4
 N = 64
 
@@ -117,15 +113,7 @@ def test_weight_sync_reaches_both_replicas_and_the_guard_names_a_stale_one(setup
 def test_train_engine_server_cli(setup, tmp_path):
     """`train --engine server` in a fresh process on the module's replicas: the guard on (1e-3) at every step."""
     _, _, eng = setup
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "compactionrl_fast", "train", "--engine", "server", "--run-dir", str(run),
-           "--steps", "2", "--value-pretrain-steps", "1", "--rollouts-per-step", "8", "--actor-lr", "1e-3",
-           "--critic-lr", "1e-3", "--threads", "1", "--progress", "false", "--checkpoint-every", "0",
-           "--set", "model.hidden_size=64", "--set", "model.num_heads=2", "--set", "sft.steps=5",
-           "--set", f"server.urls={','.join(eng.urls)}", "--set", "rollout.truncated_reward=-1"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    rows = train_cli(tmp_path / "run", "server", 2, [f"server.urls={','.join(eng.urls)}"])
     gaps = [r["sampler/logp_absdiff_max"] for r in rows if "sampler/logp_absdiff_max" in r]
     assert len(rows) == 3 and len(gaps) == 3 and max(gaps) <= 1e-3, gaps
     assert all(r["time/weight_sync_s"] > 0 for r in rows)

@@ -5,10 +5,6 @@ task, sampled-token log-probs against the Hugging Face forward of the same weigh
 against the embedded engine's, seeded reproducibility, weight sync taking effect, a skipped sync caught
 by the trainer's guard, and a short `train --engine vllm` run whose sampler gap stays small at every step."""
 import copy
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,9 +21,8 @@ from compactionrl_fast.rollout import TransformersEngine, VLLMEngine, run_rollou
 from compactionrl_fast.train.config import ModelConfig  # noqa: E402
 from compactionrl_fast.train.model import build_actor  # noqa: E402
 
-from ._hf import hf_logprobs, logp_error  # noqa: E402
+from ._shared import hf_logprobs, logp_error, train_cli  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOGP_ATOL = 1e-4  # float32 vLLM vs float32 Hugging Face forward
 
 
@@ -138,15 +133,7 @@ def test_fit_with_vllm_syncs_and_a_skipped_sync_is_caught(setup, tmp_path, monke
 
 def test_train_engine_vllm_cli(tmp_path):
     """`train --engine vllm` in a fresh process: every logged step's sampler gap <= 1e-3."""
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "compactionrl_fast", "train", "--engine", "vllm", "--run-dir", str(run),
-           "--steps", "3", "--value-pretrain-steps", "1", "--rollouts-per-step", "8", "--actor-lr", "1e-3",
-           "--critic-lr", "1e-3", "--threads", "1", "--progress", "false", "--checkpoint-every", "0",
-           "--set", "model.hidden_size=64", "--set", "model.num_heads=2", "--set", "sft.steps=5",
-           "--set", "vllm.kv_cache_gib=0.25", "--set", "rollout.truncated_reward=-1"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    rows = train_cli(tmp_path / "run", "vllm", 3, ["vllm.kv_cache_gib=0.25"])
     gaps = [r["sampler/logp_absdiff_max"] for r in rows if "sampler/logp_absdiff_max" in r]
     assert len(rows) == 4 and len(gaps) == 4 and max(gaps) <= 1e-3, gaps
     assert all(r["time/weight_sync_s"] > 0 for r in rows)

@@ -1,30 +1,13 @@
 """ServerEngine: rollouts on one or more OpenAI-compatible completion servers (`vllm serve` replicas).
 
-Requests: `POST /v1/completions` with the prompt as token ids, `logprobs: 0` (the sampled token's log-prob),
-`return_token_ids` and `return_tokens_as_token_ids` (so a server started with `--skip-tokenizer-init`
-needs no tokenizer), `stop_token_ids` and a per-request `seed`. Start vLLM with `--logprobs-mode
-processed_logprobs` so that the log-probs are those of softmax(logits / temperature), like the other
-engines' (`rollout/servers.py` does). One request per prompt: the servers batch them themselves.
-
-Client side: one asyncio event loop in a thread of its own holds the HTTP client (httpx, imported lazily),
-so `generate` works from plain code and from inside another running loop (`run_rollouts` calls it from
-one), and `agenerate` can be awaited from any loop (the async episodes, `rollout/episodes.py`). At most
-`max_in_flight` requests are in flight over all replicas; each goes to the live replica with the fewest
-requests outstanding.
-
-Faults: a request that times out (`timeout_s`), gets a 5xx or loses its connection is sent again, same
-body and seed, to another replica (`retries` more attempts at most). Its result is the one response that
-arrives: a failed attempt yields nothing, so no request is counted twice. A replica that refuses a
-connection, or fails `max_failures` times in a row, is taken out of rotation for good. When no replica
-is left, or a request has used up its retries, `ServerFleetError` names every URL and how it failed. A 4xx
-is the request's own fault (every replica would refuse it): ValueError at once.
-
-Weight sync (`load_weights`): the state dict goes into a safetensors folder (`weights_dir`, which every
-replica must be able to read: same machine or a shared file system), then every live replica runs
-vLLM's in-place `reload_weights` from it (`POST /collective_rpc`, which needs the server started with
-`VLLM_SERVER_DEV_MODE=1`) and drops its prefix cache (`POST /reset_prefix_cache`), all in parallel.
-`load_weights` returns only when every replica has answered; a replica whose sync failed is taken out of
-rotation (it would sample from old weights).
+docs/server.md is the full account: the request fields (`/v1/completions` with token-id prompts,
+`logprobs: 0`, `return_token_ids`, a per-request seed; servers run `--skip-tokenizer-init` and
+`--logprobs-mode processed_logprobs`), the client (one asyncio loop in its own thread; at most `max_in_flight`
+requests, each to the live replica with the fewest outstanding), the faults (a timeout, 5xx or lost connection
+is retried on another replica and counted once; a refused connection or `max_failures` in a row takes a
+replica out; `ServerFleetError` when none is left; a 4xx is a ValueError) and the weight sync (safetensors
+written once, then `reload_weights` via `POST /collective_rpc` and `POST /reset_prefix_cache` on every replica
+in parallel, which needs `VLLM_SERVER_DEV_MODE=1`; a replica whose sync failed is taken out).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ PIP_DEPS = torch==2.13.0 triton numpy pytest pytest-benchmark transformers token
 CONSTRAINTS ?= constraints.txt
 PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: install build test test-all test-vllm ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-check bench-rollout test-integrations check-cuda-build demo clean mutate
+.PHONY: install build test test-fast test-all test-vllm ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-check bench-rollout test-integrations check-cuda-build demo clean mutate
 
 install:            ## venv, dependencies (versions from constraints.txt), and the C++ extension; about 8 min
 	@echo "==> [1/4] virtual environment .venv"
@@ -25,6 +25,9 @@ build:              ## rebuild the extension in place after editing csrc/
 
 test:               ## the test suite without the tests marked slow (about 4 min on the idle 2-core machine)
 	$(PY) -m pytest -q -m "not slow"
+
+test-fast:          ## the ops' and references' tests without the slow ones: every op and backend on CPU (about 1.5 min idle)
+	$(PY) -m pytest -q -m "not slow" tests/ops tests/reference
 
 test-all:           ## (CI) every test, the slow ones too (CPU; Triton kernels under the interpreter; AOT compiles)
 	$(PY) -m pytest -q

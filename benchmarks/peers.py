@@ -23,8 +23,11 @@ import torch
 # ---------------------------------------------------------------- GAE
 
 
-def _reverse_loop(rewards, values, gamma, lam):
-    """The per-step backward recursion over columns that TRL, OpenRLHF and slime's `vanilla_gae` share."""
+def per_step_gae(rewards, values, gamma, lam):
+    """The per-step backward loop over the columns of padded [B, L] rewards and values that TRL, OpenRLHF and
+    slime's `vanilla_gae` share (also the restatements in tests/integrations/peers.py): from the last step,
+    delta_t = r_t + gamma*V_{t+1} - V_t (V_L = 0), A_t = delta_t + gamma*lam*A_{t+1}. Every row is one episode,
+    every position a step. Returns (advantages, returns = advantages + values) [B, L] in the inputs' dtype."""
     B, L = rewards.shape
     last = torch.zeros(B, dtype=rewards.dtype)
     out = []
@@ -39,13 +42,13 @@ def _reverse_loop(rewards, values, gamma, lam):
 def openrlhf_gae(rewards, values, mask, gamma, lam):
     """OpenRLHF: rewards and values zeroed off the action mask, then the per-step loop."""
     m = mask.to(values.dtype)
-    return _reverse_loop(rewards * m, values * m, gamma, lam)
+    return per_step_gae(rewards * m, values * m, gamma, lam)
 
 
 def trl_gae(rewards, values, mask, gamma, lam):
     """TRL: the per-step loop on the raw [B, L] tensors (padding was filled with 0 before), then whitening
     of the advantages over the non-padding tokens (TRL's masked_whiten)."""
-    adv, ret = _reverse_loop(rewards, values, gamma, lam)
+    adv, ret = per_step_gae(rewards, values, gamma, lam)
     m = mask.to(adv.dtype)
     mean = (adv * m).sum() / m.sum()
     var = ((adv - mean) ** 2 * m).sum() / (m.sum() - 1)

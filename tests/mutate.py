@@ -27,16 +27,15 @@ MODULES = {
     # surviving mutant here)
     "reference/gae": ["tests/reference/test_gae_oracle.py"],
     "reference/losses": ["tests/reference/test_loss_oracles.py"],
-    # the ops' Python entries under their fast cpp/torch tests (tests/ops/fast/: seconds a pass, where
-    # tests/ops/test_<op>.py run every backend, Triton under the interpreter, in 30-140 s)
-    "ops/gae": ["tests/ops/fast/test_gae.py"],
-    "ops/_reduction": ["tests/ops/fast/test_reduction.py", "tests/ops/fast/test_ppo_loss.py",
-                       "tests/ops/fast/test_value_loss.py"],
-    "ops/ppo_loss": ["tests/ops/fast/test_ppo_loss.py"],
-    "ops/value_loss": ["tests/ops/fast/test_value_loss.py"],
-    "ops/value_head": ["tests/ops/fast/test_value_head.py"],
-    "ops/linear_logprobs": ["tests/ops/fast/test_linear_logprobs.py"],
-    # the checks and the backend choice, called directly (fast; tests/ops/test_skeleton.py reaches them too, slowly)
+    # the ops' Python entries under their op's tests, the ones marked slow left out
+    "ops/gae": ["tests/ops/test_gae.py", "-m", "not slow"],
+    "ops/_reduction": ["tests/ops/test_reduction.py", "tests/ops/test_ppo_loss.py", "tests/ops/test_value_loss.py",
+                       "-m", "not slow"],
+    "ops/ppo_loss": ["tests/ops/test_ppo_loss.py", "-m", "not slow"],
+    "ops/value_loss": ["tests/ops/test_value_loss.py", "-m", "not slow"],
+    "ops/value_head": ["tests/ops/test_value_head.py", "-m", "not slow"],
+    "ops/linear_logprobs": ["tests/ops/test_linear_logprobs.py", "-m", "not slow"],
+    # the checks and the backend choice, called directly (fast; the op tests reach them too, slowly)
     "ops/_validate": ["tests/ops/test_validate.py"],
     "ops/_dispatch": ["tests/ops/test_validate.py"],
     "integrations/layout": ["tests/integrations/test_layout.py", "tests/integrations/test_padded.py"],

@@ -1,4 +1,4 @@
-"""Shared test helpers: random packed batches from shape tables, NaN poisoning, an op counter, the accuracy rule
+"""Shared test helpers: random packed batches from shape tables, NaN poisoning, an op recorder, the accuracy rule
 of segment_gae."""
 from __future__ import annotations
 
@@ -91,18 +91,29 @@ def check_gae_accuracy(adv, ret, inputs, label="", **kw):
     assert (adv.cpu()[off] == 0).all() and (ret.cpu()[off] == 0).all(), label
 
 
-class CountOps(TorchDispatchMode):
-    """Counts the aten/custom ops a call dispatches (prim.* device queries are not ops)."""
+class RecordOps(TorchDispatchMode):
+    """Records the ops a call dispatches inside the `with`: `ops` counts every aten/custom op by name (prim.*
+    device queries are not ops), `calls` holds [(op name, args)] of the compactionrl_fast custom ops."""
 
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()
+        self.calls = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not str(func).startswith("prim."):
-            self.ops[str(func)] += 1
+        name = str(func)
+        if not name.startswith("prim."):
+            self.ops[name] += 1
+        if name.startswith("compactionrl_fast."):
+            self.calls.append((name, args))
         return func(*args, **(kwargs or {}))
 
     @property
     def total(self):
         return sum(self.ops.values())
+
+    def args(self, name):
+        """The arguments of the one call of op `name` (e.g. "ppo_policy_loss")."""
+        got = [a for f, a in self.calls if f == f"compactionrl_fast.{name}.default"]
+        assert len(got) == 1, self.calls
+        return got[0]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.peers import per_step_gae  # the per-step loop TRL and OpenRLHF share
+
 
 def _d(x):
     return x.detach().double() if isinstance(x, torch.Tensor) else x
@@ -98,15 +100,7 @@ def openrlhf_gae(values, rewards, action_mask, gamma, lambd):
     """openrlhf/trainer/ppo_utils/experience_maker.py get_advantages_and_returns: values and rewards
     zeroed off the mask, then a plain loop that bootstraps from the next position (masked or not)."""
     m = _d(action_mask)
-    v, r = _d(values) * m, _d(rewards) * m
-    B, L = v.shape
-    last = torch.zeros(B, dtype=torch.float64)
-    adv = torch.zeros(B, L, dtype=torch.float64)
-    for t in range(L - 1, -1, -1):
-        nv = v[:, t + 1] if t < L - 1 else 0.0
-        last = r[:, t] + gamma * nv - v[:, t] + gamma * lambd * last
-        adv[:, t] = last
-    return adv, adv + v
+    return per_step_gae(_d(rewards) * m, _d(values) * m, gamma, lambd)
 
 
 def openrlhf_aggregate(loss, mask, token_level_loss=True, dp_size=1, batch_num_tokens=None, global_batch_size=None):
@@ -163,15 +157,7 @@ def trl_gae(rewards, values, padding_mask, padding_mask_p1, gamma, lam):
     zeroed on padding_mask_p1, a plain loop bootstrapping from the next position, returns = adv + values,
     advantages whitened over ~padding_mask and zeroed on padding_mask."""
     v = torch.where(padding_mask_p1, 0.0, _d(values))
-    r = _d(rewards)
-    B, L = r.shape
-    last = torch.zeros(B, dtype=torch.float64)
-    adv = torch.zeros(B, L, dtype=torch.float64)
-    for t in range(L - 1, -1, -1):
-        nv = v[:, t + 1] if t < L - 1 else 0.0
-        last = r[:, t] + gamma * nv - v[:, t] + gamma * lam * last
-        adv[:, t] = last
-    returns = adv + v
+    adv, returns = per_step_gae(_d(rewards), v, gamma, lam)
     adv = torch.where(padding_mask, 0.0, whiten(adv, ~padding_mask))
     return adv, returns
 

@@ -8,7 +8,7 @@ from compactionrl_fast.integrations import openrlhf, segment_gae_padded, trl, ve
 from compactionrl_fast.integrations.layout import row_table
 from compactionrl_fast.ops._dispatch import available
 from tests.integrations._batches import padded_from_packed
-from tests.utils import SHAPE_TABLE, CountOps, packed_batch, random_case
+from tests.utils import RecordOps, SHAPE_TABLE, packed_batch, random_case
 
 BACKENDS = [b for b in ("cpp", "triton") if b in available(torch.device("cpu"))] + ["torch"]
 
@@ -125,7 +125,7 @@ _NOT_LAUNCHES = ("aten.view", "aten._unsafe_view", "aten.detach", "aten.lift_fre
 
 def _launches(fn):
     """(kernel launches, op names) that `fn` dispatches: every aten/custom op but views and the like."""
-    c = CountOps()
+    c = RecordOps()
     with c:
         fn()
     ops = {name: n for name, n in c.ops.items() if not name.startswith(_NOT_LAUNCHES)}

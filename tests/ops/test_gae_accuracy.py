@@ -54,6 +54,7 @@ CASES = {"64K segments": [65536] * 4, "skewed 256K": [1 << 18] + [1 + (7 * i) % 
          "skewed 1M": [1 << 20] + [1 + (7 * i) % 50 for i in range(1000)]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("lam", [1.0, 0.9997])

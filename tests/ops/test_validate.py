@@ -1,11 +1,12 @@
 """The shared input checks (ops/_validate.py) and the backend choice (ops/_dispatch.py), called directly:
 each check accepts what it should, refuses the rest naming the argument; `resolve` follows the table,
-the override and the built backends. Fast (no kernels run)."""
+the override and the built backends; the checks setting also through segment_gae. Fast (no kernels run)."""
 import threading
 
 import pytest
 import torch
 
+import compactionrl_fast as crf
 from compactionrl_fast.ops import _dispatch as D
 from compactionrl_fast.ops import _validate as V
 
@@ -145,6 +146,20 @@ def test_trusted_layout_is_per_thread_and_restored_on_error():
     assert V.value_checks(torch.zeros(1))
 
 
+def test_checks_setting(monkeypatch):
+    from compactionrl_fast.ops._validate import value_checks
+
+    t = torch.zeros(1)
+    assert value_checks(t)
+    monkeypatch.setenv("COMPACTIONRL_FAST_CHECKS", "0")
+    assert not value_checks(t)
+    with pytest.raises(TypeError, match="cu_seqlens"):  # dtype checks stay on
+        crf.segment_gae(torch.zeros(4), torch.zeros(4), torch.ones(4, dtype=torch.bool), torch.tensor([0.0, 4.0]))
+    monkeypatch.setenv("COMPACTIONRL_FAST_CHECKS", "maybe")
+    with pytest.raises(ValueError, match="COMPACTIONRL_FAST_CHECKS"):
+        value_checks(t)
+
+
 # ------------------------------------------------------------------ dispatch
 
 
@@ -243,3 +258,18 @@ def test_table_covers_every_op_with_torch():
         assert set(per_device) == {"cuda", "cpu"}
         for order in per_device.values():
             assert "torch" in order and set(order) <= set(D.BACKENDS) - {"auto"}
+
+
+def test_dispatch_table_and_override(monkeypatch):
+    cpu = torch.device("cpu")
+    assert D.resolve("auto", cpu, op="segment_gae") == D.available(cpu)[0]
+    monkeypatch.setenv("COMPACTIONRL_FAST_BACKEND", "torch")
+    assert D.resolve("auto", cpu, op="segment_gae") == "torch"
+    assert D.resolve("auto", cpu, op="linear_logprobs") == "torch"
+    monkeypatch.setenv("COMPACTIONRL_FAST_BACKEND", "cuda")  # not for CPU tensors: falls back to the table
+    assert D.resolve("auto", cpu, op="segment_gae") == D.available(cpu)[0]
+    monkeypatch.setenv("COMPACTIONRL_FAST_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="COMPACTIONRL_FAST_BACKEND"):
+        D.resolve("auto", cpu, op="segment_gae")
+    with pytest.raises(ValueError, match="no cuda backend"):
+        D.resolve("cuda", torch.device("cuda"), op="linear_logprobs")

@@ -1,17 +1,18 @@
-"""compactionrl_fast.ops._reduction, fast: the weights of every reduction and denominator against the
-reference's token weights (C++ op, the torch formulation, the fallbacks), the layout and denominator checks
-with the argument named, the global counts (a faked process group), and the shared loss-op autograd
-(`loss_backward`, `register_loss_op`) called directly. Triton/CUDA paths: tests/ops/test_ppo_loss.py and
-test_value_loss.py."""
+"""compactionrl_fast.ops._reduction: the weights of every reduction and denominator against the
+reference's token weights (C++ op, the torch formulation, the fallbacks) and the backends against each other
+(the Triton kernel under the interpreter), the layout and denominator checks with the argument named, the
+global counts (a faked process group), and the shared loss-op autograd (`loss_backward`, `register_loss_op`)
+called directly. The loss kernels' Triton/CUDA paths: tests/ops/test_ppo_loss.py and test_value_loss.py."""
 import types
 
 import pytest
 import torch
 
 import compactionrl_fast as crf
+from compactionrl_fast.ops import _dispatch
 from compactionrl_fast.ops import _reduction as red
 from compactionrl_fast.reference import losses as ref
-from tests.utils import CountOps, SHAPE_TABLE, packed_batch
+from tests.utils import RecordOps, SHAPE_TABLE, packed_batch
 
 REDS = ("token-mean", "segment-mean", "rollout-mean", "sum")
 
@@ -46,7 +47,7 @@ def test_weights_match_reference(monkeypatch, fn, reduction, layout, den):
         monkeypatch.setattr(red, "_CPP_WEIGHTS", False)
         monkeypatch.setattr(red, "_CPP_COUNTS", False)
     f = red.segment_weights_torch if fn == "torch" else red.segment_weights
-    with CountOps() as ops:
+    with RecordOps() as ops:
         w = f(mask, cu, seg, reduction, d)
     assert w.dtype == torch.float64 and w.shape == ((1,) if cu is None else (cu.numel() - 1,))
     dv = None if d is None else float(d.reshape(())) if isinstance(d, torch.Tensor) else d
@@ -104,7 +105,7 @@ def test_triton_backend_uses_the_triton_op(reduction, den):
     # routing only (a small batch under the interpreter); the kernels: tests/ops/test_ppo_loss.py
     pytest.importorskip("triton")
     mask, cu, seg = _batch()
-    with CountOps() as ops:
+    with RecordOps() as ops:
         w = red.segment_weights(mask, cu, seg, reduction, den, backend="triton")
     assert ops.ops["compactionrl_fast.segment_weights_triton.default"] == 1, ops.ops
     dv = None if den is None else float(den)
@@ -119,6 +120,35 @@ def test_weights_fake():
     assert red._segment_weights_fake(m, None, None, 0, -1.0, None).shape == (1,)
 
 
+@pytest.mark.parametrize("reduction", ["token-mean", "segment-mean", "rollout-mean", "sum"])
+@pytest.mark.parametrize("den", [None, 0.0, 37.0, "tensor", "negative"])
+@pytest.mark.parametrize("layout", ["packed", "one segment", "no rollouts"])
+def test_segment_weights_backends_agree(reduction, den, layout):
+    """The per-segment reduction weights: C++ (CPU) and the Triton kernel (interpreter) against the torch
+    formulation, on layouts with empty and untrainable segments."""
+    from compactionrl_fast.ops import _reduction as red
+    from tests.utils import SHAPE_TABLE, packed_batch
+
+    if den is not None and reduction == "sum":
+        pytest.skip("no denominator with 'sum'")
+    b = packed_batch(SHAPE_TABLE["empty_segments"] + SHAPE_TABLE["no_trainable"] + SHAPE_TABLE["four_segments"],
+                     index_dtype=torch.int64)
+    cu = None if layout == "one segment" else b["cu_seqlens"]
+    cs = b["cu_segments"] if layout == "packed" else None
+    d = {"tensor": torch.tensor(41.0), "negative": torch.tensor(-2.0)}.get(den, den)
+    want = red.segment_weights_torch(b["loss_mask"], cu, cs, reduction, d)
+    got = [red.segment_weights(b["loss_mask"], cu, cs, reduction, d)]
+    if "triton" in _dispatch.available(torch.device("cpu")):
+        from compactionrl_fast.kernels.segments import segment_weights as launch
+
+        counts = red.segment_counts(b["loss_mask"], cu) if cu is not None else torch.count_nonzero(b["loss_mask"]).reshape(1)
+        got.append(launch(counts, cs, red._CODES[reduction], d))
+    for g in got:
+        torch.testing.assert_close(g, want, rtol=1e-15, atol=0, equal_nan=True)
+    if den == "negative":
+        assert want.isnan().all()
+
+
 # ---------------------------------------------------------------- counts
 
 
@@ -130,12 +160,12 @@ def test_segment_counts(monkeypatch, cu):
     c = cu.clamp(0, 10).tolist()  # a negative offset must not wrap around
     want = [int(mask[a:b].sum()) for a, b in zip(c[:-1], c[1:])]
     if cu[-1] == 10 and bool((cu.diff() >= 0).all()):  # the C++ op refuses other offsets on CPU
-        with CountOps() as ops:
+        with RecordOps() as ops:
             got = red.segment_counts(mask, cu)
         assert got.dtype == torch.int64 and got.tolist() == want
         assert ops.ops["compactionrl_fast.segment_counts.default"] == 1
     monkeypatch.setattr(red, "_CPP_COUNTS", False)
-    with CountOps() as ops:
+    with RecordOps() as ops:
         got = red.segment_counts(mask, cu.int())
     assert got.tolist() == want and not any(k.startswith("compactionrl_fast.") for k in ops.ops)
 
@@ -346,7 +376,7 @@ def test_loss_backward_hands_out_the_saved_gradient_once():
     bwd = red.loss_backward("my::op", 4)
     g = torch.tensor([1.0, -2.0])
     ctx = _Ctx(g)
-    with CountOps() as ops:  # d_loss = 1 on CPU: no pass over the buffer
+    with RecordOps() as ops:  # d_loss = 1 on CPU: no pass over the buffer
         out = bwd(ctx, torch.tensor(1.0), None, None)
     assert "aten.mul_.Tensor" not in ops.ops, ops.ops
     assert len(out) == 4 and out[0] is g and out[1:] == (None, None, None)
@@ -375,7 +405,7 @@ def test_loss_backward_scales_a_tensor_subclass_gradient():
         pass
 
     g = torch.tensor([1.0, -2.0])
-    with CountOps() as ops:
+    with RecordOps() as ops:
         out = red.loss_backward("my::op", 1)(_Ctx(g), torch.tensor(1.0).as_subclass(Sub), None, None)
     assert out[0].tolist() == [1.0, -2.0] and len(out) == 1
     assert ops.ops["aten.mul_.Tensor"] == 1, ops.ops

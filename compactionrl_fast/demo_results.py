@@ -54,7 +54,7 @@ def headline(results: dict, name: str) -> str:
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     minutes = lambda k: [r[k] / 60 for r in runs.values() if k in r]  # noqa: E731
     rl = minutes("full_time_s") + minutes("ablation_time_s")
-    lines = [f"Recorded by `{results['command']}` at git `{m.get('git')}` on {m.get('cpu')} ({m.get('cores')} cores, "
+    lines = [f"Made by `{results['command']}` at git `{m.get('git')}` on {m.get('cpu')} ({m.get('cores')} cores, "
              f"torch threads {m.get('torch_threads')}, load average {_load(m.get('loadavg_start'))} at start): "
              f"**{results['total_time_s'] / 60:.1f} min** wall (SFT {_span(minutes('sft_time_s'))} min, "
              f"each RL run {_span(rl)} min, evaluations the rest). {version_line(results.get('versions', {}))}. "
@@ -141,11 +141,9 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
-def write(results, out_dir, name):
-    """OUT_DIR/NAME.json, OUT_DIR/NAME.md and OUT_DIR/NAME.png."""
-    os.makedirs(out_dir, exist_ok=True)
-    _io.remove_stale_temps(out_dir)
-    _io.write_text(os.path.join(out_dir, name + ".json"), json.dumps(results, indent=1, default=str))
+def markdown(results, name) -> str:
+    """NAME.md: the headline (where, when, the per-seed table, the targets, the figure), then the details.
+    A function of the results alone, so `python -m compactionrl_fast.demo_results NAME.json` re-renders it."""
     md = [f"# CPU demo ({name})", "", headline(results, name), "", "## Details", "",
           f"Command: `{results['command']}`", "",
           f"Machine: {results['machine']}; total {results['total_time_s'] / 60:.1f} min wall, "
@@ -153,7 +151,15 @@ def write(results, out_dir, name):
           "",
           "Evaluation: held-out tasks, success = exact answer; summary recall = fraction of summaries that "
           "hold every digit seen before them.", "", table(results), ""]
-    _io.write_text(os.path.join(out_dir, name + ".md"), "\n".join(md))
+    return "\n".join(md)
+
+
+def write(results, out_dir, name):
+    """OUT_DIR/NAME.json, OUT_DIR/NAME.md and OUT_DIR/NAME.png."""
+    os.makedirs(out_dir, exist_ok=True)
+    _io.remove_stale_temps(out_dir)
+    _io.write_text(os.path.join(out_dir, name + ".json"), json.dumps(results, indent=1, default=str))
+    _io.write_text(os.path.join(out_dir, name + ".md"), markdown(results, name))
     curves(results, os.path.join(out_dir, name + ".png"))
 
 
@@ -193,3 +199,14 @@ def curves(results, path):
     axes[0].legend(fontsize=7)
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+if __name__ == "__main__":  # re-render NAME.md next to each NAME.json given (the numbers are the JSON's)
+    import sys
+
+    for path in sys.argv[1:]:
+        with open(path) as f:
+            res = json.load(f)
+        stem = os.path.splitext(path)[0]
+        _io.write_text(stem + ".md", markdown(res, os.path.basename(stem)))
+        print(f"wrote {stem}.md")

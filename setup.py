@@ -7,7 +7,7 @@ The toolkit is looked for in CUDA_HOME / CUDA_PATH, then at the real location of
 (followed through symlinks and wrapper scripts), then in the usual install folders (/usr/local/cuda...).
 Architectures come from TORCH_CUDA_ARCH_LIST (default "8.0;9.0"). The C++ standard is torch's own
 (torch.utils.cpp_extension adds it: C++20 for torch >= 2.13 headers, C++17 before).
-Every environment variable is listed in the README's "Environment variables" section.
+Every environment variable is listed in docs/development.md ("Environment variables").
 """
 import glob
 import os

@@ -23,7 +23,7 @@ Output: one table on stdout; JSON `{"meta": {command, env, config, roofline, dur
 "rows": [...]}` at `--json` (default `benchmarks/results/suite-<device>-<size>-<UTC date>.json`); one
 PNG chart per script next to it. `--compare REV` runs the same suite from a `git worktree` of REV (its
 extension built there) and prints time ratios REV / this tree per row. `python -m benchmarks.report`
-turns the latest JSON into the README's results section.
+turns the latest JSON into the results section of docs/performance.md.
 """
 from __future__ import annotations
 

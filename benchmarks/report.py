@@ -1,12 +1,12 @@
-"""Regenerate the README's results section from the latest suite JSON files.
+"""Regenerate the results section of docs/performance.md from the latest suite JSON files.
 
-    python -m benchmarks.report [--results benchmarks/results] [--readme README.md] [--check]
+    python -m benchmarks.report [--results benchmarks/results] [--readme docs/performance.md] [--check]
 
 Reads the `suite-*.json` files that `python -m benchmarks` writes, takes per device type (CPU, CUDA) the
 latest run that is not `--quick` (a `--quick` run only when there is no other), and writes between
-`<!-- results:start -->` and `<!-- results:end -->` of the README: the command and revision that produced
+`<!-- results:start -->` and `<!-- results:end -->` of that page: the command and revision that produced
 each, the device and versions, the measured roofline, one table per run and links to its charts.
-Nothing else in the README changes. `--check` writes nothing and exits 1 when the section is stale.
+Nothing else on the page changes. `--check` writes nothing and exits 1 when the section is stale.
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def render(results, repo):
 def replace_section(readme_text, body):
     if readme_text.count(START) != 1 or readme_text.count(END) != 1 or \
             readme_text.index(START) > readme_text.index(END):
-        raise SystemExit(f"the README must hold exactly one {START} ... {END} pair")
+        raise SystemExit(f"the page must hold exactly one {START} ... {END} pair")
     head, rest = readme_text.split(START)
     _, tail = rest.split(END)
     return f"{head}{START}\n{body}{END}{tail}"
@@ -106,8 +106,8 @@ def replace_section(readme_text, body):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n")[0])
     p.add_argument("--results", default=os.path.join(H.REPO, "benchmarks", "results"))
-    p.add_argument("--readme", default=os.path.join(H.REPO, "README.md"))
-    p.add_argument("--check", action="store_true", help="exit 1 if the README's section is stale; write nothing")
+    p.add_argument("--readme", default=os.path.join(H.REPO, "docs", "performance.md"))
+    p.add_argument("--check", action="store_true", help="exit 1 if the page's section is stale; write nothing")
     args = p.parse_args(argv)
     repo = os.path.dirname(os.path.abspath(args.readme))
     with open(args.readme) as f:

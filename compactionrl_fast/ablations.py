@@ -49,7 +49,9 @@ def run(base: TrainConfig, *, seeds=(0, 1, 2), variants=tuple(VARIANTS), name="a
     """Every variant on every seed; returns the results dict written to RUN_DIR/NAME.json. The jobs (the SFT
     of every seed, then every variant's RL run) run `workers` at a time as in the demo (`demo.run`)."""
     from . import demo
+    from .demo_results import machine, versions
     from .train.plots import plot_run
+    from .train.threads import make_tuner
 
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -58,10 +60,10 @@ def run(base: TrainConfig, *, seeds=(0, 1, 2), variants=tuple(VARIANTS), name="a
         raise ValueError("seeds must name at least one seed")
     progress = base.progress if progress is None else progress
     workers = demo._workers(base, workers)
-    tuner = demo.make_tuner(base.threads)
+    tuner = make_tuner(base.threads)
     t0 = time.time()
     results = {"command": "python -m compactionrl_fast " + " ".join(argv), "config": to_dict(base),
-               "machine": {**demo._machine(base.threads), "demo_workers": workers}, "versions": demo.versions(),
+               "machine": {**machine(base.threads), "demo_workers": workers}, "versions": versions(),
                "variants": {v: VARIANTS[v][0] for v in variants}, "runs": {str(s): {} for s in seeds}}
     local = dict(tuner=tuner, engine=None, progress=progress)
     sft_jobs = [(base, seed, base.eval_rollouts) for seed in seeds]

@@ -59,8 +59,8 @@ def _demo(argv):
                                                "directory, runs/demo)")
     p.add_argument("--name", default="demo_cpu", help="file name stem of the results (default: demo_cpu)")
     p.add_argument("--record", action="store_true",
-                   help="maintainers: also write the results to benchmarks/results/ and rewrite the README's demo "
-                        "block from them (needs a source checkout)")
+                   help="maintainers: also write the results to benchmarks/results/ of the source checkout, which "
+                        "the README links (needs a committed revision)")
     p.add_argument("--workers", type=_workers_arg, default="auto",
                    help="N | auto: run the SFT jobs, then the RL jobs, N at a time in separate processes (each with "
                         "cores // N threads unless --threads is a number); auto: one per core on CPU with the "
@@ -101,7 +101,7 @@ def _ablations(argv):
 
 
 def _train(argv):
-    from . import demo
+    from . import runner
     from .train.config import TrainConfig, from_args
 
     p = _config_parser("compactionrl-fast train", "SFT (when sft.steps > 0), value pre-training, then PPO with "
@@ -112,7 +112,7 @@ def _train(argv):
         print(config_reference(TrainConfig()))
         return 0
     cfg = from_args(args, TrainConfig())
-    demo.train(cfg, resume=not args.no_resume)
+    runner.train(cfg, resume=not args.no_resume)
     return 0
 
 

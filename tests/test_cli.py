@@ -12,7 +12,6 @@ import sys
 import pytest
 
 from compactionrl_fast import cli
-from compactionrl_fast.demo import replace_block
 from compactionrl_fast.train.config import HELP, TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,6 +53,15 @@ def test_help_config_prints_every_key(capsys):
         assert f"\n{k} " in out, k
 
 
+def replace_block(text: str, tag: str, body: str) -> str:
+    """`text` with the lines between `<!-- TAG:start -->` and `<!-- TAG:end -->` replaced by `body`."""
+    start, end = f"<!-- {tag}:start -->", f"<!-- {tag}:end -->"
+    i, j = text.find(start), text.find(end)
+    if i < 0 or j < i:
+        raise ValueError(f"no {start} ... {end} block in the text")
+    return text[:i + len(start)] + "\n" + body.strip("\n") + "\n" + text[j:]
+
+
 def _config_md(text: str) -> str:
     return replace_block(text, "config", cli.config_reference(markdown=True))
 
@@ -77,6 +85,38 @@ def test_unknown_command_lists_commands(capsys):
     assert all(c in out for c in cli.COMMANDS)
 
 
+def test_demo_writes_under_run_dir_and_record_writes_results_only(tmp_path, monkeypatch):
+    from compactionrl_fast import demo
+
+    from .train._tiny import tiny_train_config
+
+    # a stand-in checkout: a README, benchmarks/results/
+    root = tmp_path / "checkout"
+    (root / "benchmarks" / "results").mkdir(parents=True)
+    readme = "intro\n<!-- demo:start -->\nold numbers\n<!-- demo:end -->\nrest\n"
+    (root / "README.md").write_text(readme)
+    monkeypatch.setattr(demo, "_checkout_root", lambda: str(root))
+    cfg = tiny_train_config(tmp_path / "runs")
+    res = demo.run(cfg, seeds=[0], ablation_seeds=[], eval_rollouts=4, argv=["demo", "--tiny"], record=True)
+    for ext in ("json", "md", "png"):  # under the run dir, and recorded
+        assert (tmp_path / "runs" / f"demo_cpu.{ext}").is_file()
+        assert (root / "benchmarks" / "results" / f"demo_cpu.{ext}").is_file()
+    assert (tmp_path / "runs" / "seed0" / "sft" / "plots" / "sft.png").is_file()
+    assert (root / "README.md").read_text() == readme  # --record leaves the README alone
+    md = (root / "benchmarks" / "results" / "demo_cpu.md").read_text()
+    assert f"git `{res['machine']['git']}`" in md and "torch " in md and "| 0 |" in md
+    assert "Targets: " in md and "![training success and summary recall](demo_cpu.png)" in md
+    assert res["versions"]["packages"]["torch"] and res["versions"]["python"]
+
+
+def test_record_needs_a_checkout_with_results_folder(tmp_path, monkeypatch):
+    from compactionrl_fast import demo
+
+    monkeypatch.setattr(demo, "__file__", str(tmp_path / "pkg" / "demo.py"))  # no benchmarks/results/ there
+    with pytest.raises(ValueError, match="source checkout"):
+        demo._checkout_root()
+
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["--update"]:
         print(__doc__)
@@ -85,25 +125,3 @@ if __name__ == "__main__":
     with open(CONFIG_MD, "w") as f:
         f.write(_config_md(text))
     print(f"wrote {CONFIG_MD}")
-
-
-def test_demo_writes_under_run_dir_and_record_updates_results_and_readme(tmp_path, monkeypatch):
-    from compactionrl_fast import demo
-
-    from .train._tiny import tiny_train_config
-
-    # a stand-in checkout: README with a demo block, benchmarks/results/
-    root = tmp_path / "checkout"
-    (root / "benchmarks" / "results").mkdir(parents=True)
-    (root / "README.md").write_text("intro\n<!-- demo:start -->\nold numbers\n<!-- demo:end -->\nrest\n")
-    monkeypatch.setattr(demo, "_checkout_root", lambda: str(root))
-    cfg = tiny_train_config(tmp_path / "runs")
-    res = demo.run(cfg, seeds=[0], ablation_seeds=[], eval_rollouts=4, argv=["demo", "--tiny"], record=True)
-    for ext in ("json", "md", "png"):  # under the run dir, and recorded
-        assert (tmp_path / "runs" / f"demo_cpu.{ext}").is_file()
-        assert (root / "benchmarks" / "results" / f"demo_cpu.{ext}").is_file()
-    assert (tmp_path / "runs" / "seed0" / "sft" / "plots" / "sft.png").is_file()
-    readme = (root / "README.md").read_text()
-    assert "old numbers" not in readme and readme.startswith("intro\n") and readme.endswith("<!-- demo:end -->\nrest\n")
-    assert f"git `{res['machine']['git']}`" in readme and "torch " in readme and "| 0 |" in readme
-    assert res["versions"]["packages"]["torch"] and res["versions"]["python"]

@@ -13,15 +13,15 @@ from compactionrl_fast.train import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# demo.train on the tiny task (SFT 2 steps, 1 value pre-training step, 2 PPO steps, a checkpoint after
+# runner.train (`python -m compactionrl_fast train`) on the tiny task (SFT 2 steps, 1 value pre-training step, 2 PPO steps, a checkpoint after
 # every step), without the plots (matplotlib would dominate the time and plots are not state)
 DRIVER = """
 import sys
 import compactionrl_fast.train.plots as plots
-from compactionrl_fast import demo
+from compactionrl_fast import runner
 from tests.train._tiny import tiny_train_config
 plots.plot_run = lambda *a, **k: []
-demo.train(tiny_train_config(sys.argv[1], checkpoint_every=1, threads=1))
+runner.train(tiny_train_config(sys.argv[1], checkpoint_every=1, threads=1))
 """
 
 

@@ -1,4 +1,4 @@
-// Experiment behind benchmarks/results/gae-cpu-transposes.md (not built, not part of the package): the AVX-512
+// Experiment behind benchmarks/experiments/gae-cpu-transposes.md (not built, not part of the package): the AVX-512
 // lockstep scan of csrc/cpu/gae.cpp (no own critic) on 8 chains of L tokens, with variants that leave out parts of
 // the data movement. V0: as shipped (8x8 float transposes of rewards and values in, advantages and returns out);
 // V1: no transposes at all (wrong results, timing only); V3: the inputs through 512-bit two-source permutes

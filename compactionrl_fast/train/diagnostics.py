@@ -83,11 +83,12 @@ def calibration_deciles(pred, target, bins: int = 10):
     return [pred.double()[c].mean() for c in chunks], [target.double()[c].mean() for c in chunks]
 
 
-def layout_part(batch, cfg, idx) -> dict:
+def layout_part(batch, cfg, idx, ids=None) -> dict:
     """What the diagnostics read of the layout alone, derived where the batch is (the host, once per step):
     the compaction-shape numbers and the cross-segment factors (host values), and the positions in the
-    trainable tokens `idx` [N] of exec tokens, summary tokens and the tokens of a rollout's k-th summary."""
-    seg, roll, n = segment_ids(batch)
+    trainable tokens `idx` [N] of exec tokens, summary tokens and the tokens of a rollout's k-th summary.
+    ids: `segment_ids(batch)` (None: derived here)."""
+    seg, roll, n = segment_ids(batch) if ids is None else ids
     R = batch.cu_segments.numel() - 1
     mask = batch.loss_mask
     kind = batch.segment_kind.long()
@@ -158,7 +159,8 @@ def _corrcoef(x):
 def advantage_gap(mb, values, cfg) -> dict:
     """Gap between the paper's and the stitched advantages on the same micro-batch and values ([] tensors).
 
-    Both come from `segment_gae`; rewards are placed per mode with `place_final_rewards`.
+    Both come from `segment_gae`; the rewards of the micro-batch's own placement are reused, the other mode's
+    are placed with `place_final_rewards`.
     """
     from ..ops import place_final_rewards, segment_gae
 
@@ -166,8 +168,8 @@ def advantage_gap(mb, values, cfg) -> dict:
     mask = batch.loss_mask
     adv = {}
     for mode in ("paper", "stitched"):
-        rewards = place_final_rewards(batch.rollout_rewards.float(), mask, batch.cu_seqlens, batch.cu_segments,
-                                      mode=mode)
+        rewards = mb.rewards if mode == getattr(mb, "reward_mode", None) else place_final_rewards(
+            batch.rollout_rewards.float(), mask, batch.cu_seqlens, batch.cu_segments, mode=mode)
         adv[mode], _ = segment_gae(rewards, values.float(), mask, batch.cu_seqlens, batch.cu_segments,
                                    gamma=cfg.gamma, lam=cfg.lam, cross_segment=mode, lam_critic=cfg.lam_critic,
                                    adaptive_alpha=cfg.adaptive_alpha, adaptive_length=cfg.adaptive_length)

@@ -28,17 +28,18 @@ def reward_mode(cfg) -> str:
     return "stitched" if cfg.cross_segment == "stitched" else "paper"
 
 
-def policy_mask(batch, cfg):
-    """Tokens in the policy loss [T] bool: all trainable tokens, or (ablation) exec tokens only."""
+def policy_mask(batch, cfg, seg=None):
+    """Tokens in the policy loss [T] bool: all trainable tokens, or (ablation) exec tokens only.
+    seg: the segment of each token [T] (`diagnostics.segment_ids`), None: derived here."""
     if cfg.train_summary_tokens:
         return batch.loss_mask
-    seg, _, _ = diagnostics.segment_ids(batch)
+    seg = diagnostics.segment_ids(batch)[0] if seg is None else seg
     return batch.loss_mask & (batch.segment_kind.long()[seg] == diagnostics.EXEC)
 
 
-def selected_offsets(batch, idx, mask):
+def selected_offsets(batch, idx, mask, seg=None):
     """cu_seqlens [S+1] over the selected positions `idx` (the layout the losses see), and the mask there."""
-    seg, _, _ = diagnostics.segment_ids(batch)
+    seg = diagnostics.segment_ids(batch)[0] if seg is None else seg
     S = batch.cu_seqlens.numel() - 1
     counts = torch.zeros(S, dtype=torch.long, device=idx.device).index_add_(0, seg[idx], torch.ones_like(idx))
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)]), mask[idx]
@@ -59,15 +60,18 @@ def placed_rewards(batch, cfg):
 class MicroBatch:
     """One micro-batch and its layout. N trainable tokens of T; the losses read [N] inputs.
 
-    batch: the PackedBatch; idx: [N] positions of the trainable tokens; rewards: [T] float32 placed final
-    rewards; loss_cu: [S+1] segment offsets over idx; value_mask: [N] bool (all True); policy_mask: [N] bool
-    (the policy loss's tokens) and policy_pos: [n] its True positions; rollout_logprobs: [N] float32;
+    batch: the PackedBatch; idx: [N] positions of the trainable tokens; rewards: [T] float32 final rewards
+    placed in reward_mode; loss_cu: [S+1] segment offsets over idx; value_mask: [N] bool (all True);
+    policy_mask: [N] bool (the policy loss's tokens) and policy_pos: [n] its True positions;
+    rollout_logprobs: [N] float32;
     tables: the padded forward's buckets (`model.forward_tables`); diag: the diagnostics' layout part
-    (`diagnostics.layout_part`); host: the host copies the global denominators are summed from.
+    (`diagnostics.layout_part`); host: the host copies the global denominators are summed from; n_tokens: N;
+    n_policy: the policy loss's tokens.
     """
     batch: Any
     idx: torch.Tensor
     rewards: torch.Tensor
+    reward_mode: str
     loss_cu: torch.Tensor
     value_mask: torch.Tensor
     policy_mask: torch.Tensor
@@ -76,28 +80,26 @@ class MicroBatch:
     tables: list
     diag: dict
     host: SimpleNamespace
-
-    @property
-    def n_tokens(self) -> int:
-        return self.value_mask.numel()
-
-    @property
-    def n_policy(self) -> int:
-        return self.policy_pos.numel()
+    n_tokens: int
+    n_policy: int
 
     @classmethod
     def build(cls, batch, cfg) -> "MicroBatch":
         """The layout of `batch` on its own device (no host read when that is the CPU)."""
         idx = action_index(batch.loss_mask, batch.cu_attn)
-        pmask = policy_mask(batch, cfg)
-        cu, value_mask = selected_offsets(batch, idx, batch.loss_mask)
+        ids = diagnostics.segment_ids(batch)
+        pmask = policy_mask(batch, cfg, ids[0])
+        cu, value_mask = selected_offsets(batch, idx, batch.loss_mask, ids[0])
         pm = pmask[idx]
+        pos = pm.nonzero()[:, 0]
         host = SimpleNamespace(loss_mask=batch.loss_mask, policy_mask=pmask, cu_seqlens=batch.cu_seqlens,
                                cu_segments=batch.cu_segments)
-        return cls(batch=batch, idx=idx, rewards=placed_rewards(batch, cfg), loss_cu=cu, value_mask=value_mask,
-                   policy_mask=pm, policy_pos=pm.nonzero()[:, 0], rollout_logprobs=batch.rollout_logprobs[idx].float(),
-                   tables=forward_tables(batch.cu_attn, PADDED_RATIO), diag=diagnostics.layout_part(batch, cfg, idx),
-                   host=host)
+        return cls(batch=batch, idx=idx, rewards=placed_rewards(batch, cfg), reward_mode=reward_mode(cfg),
+                   loss_cu=cu, value_mask=value_mask, policy_mask=pm, policy_pos=pos,
+                   rollout_logprobs=batch.rollout_logprobs[idx].float(),
+                   tables=forward_tables(batch.cu_attn, PADDED_RATIO),
+                   diag=diagnostics.layout_part(batch, cfg, idx, ids), host=host, n_tokens=idx.numel(),
+                   n_policy=pos.numel())
 
     def map(self, fn) -> "MicroBatch":
         """A copy with `fn` applied to every tensor the step reads (the host copies stay)."""

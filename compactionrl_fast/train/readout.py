@@ -48,16 +48,17 @@ def read(tree):
 
 
 class Means:
-    """Weighted means of per-micro-batch metric dicts; a non-finite value is left out of its key's mean."""
+    """Weighted means of per-micro-batch metric dicts ((metrics, weight) rows); a non-finite value is left out
+    of its key's mean."""
 
-    def __init__(self):
-        self.rows = []
+    def __init__(self, rows=None):
+        self.rows = [] if rows is None else rows
 
     def add(self, metrics: dict, weight: float) -> None:
         self.rows.append((metrics, weight))
 
     def result(self, prefix: str = "") -> dict:
-        """The means; call on read rows (`read(means.rows)`), or with host numbers only."""
+        """The means; of read rows (`read(rows)`), or of host numbers only."""
         sums, weights = {}, {}
         for metrics, w in self.rows:
             for k, v in metrics.items():

@@ -139,7 +139,7 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
     critic.train()
     for k in range(max(cfg.critic_updates_per_step, 1)):
         state.opt_critic.zero_grad(set_to_none=True)
-        acc, losses = Means(), []
+        rows, losses = [], []  # (metrics, weight) of each micro-batch, and its loss
         for i, m in enumerate(mbs):
             b = m.batch
             v = value_head(critic_hidden(critic, b, m.idx, m.tables), critic.weight, critic.bias)  # [N]
@@ -151,11 +151,11 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
                                    denominator=den.value)
             loss.backward()
             losses.append(loss.detach())  # each micro-batch's share of the global-batch loss
-            acc.add(met, m.n_tokens)
+            rows.append((met, m.n_tokens))
         if cfg.critic_updates_per_step > 0:
             rec["critic_grad_norm"] = optim_step(critic.parameters(), state.opt_critic, cfg.max_grad_norm, group)
         if k == 0:
-            rec["critic"] = (acc.rows, losses)
+            rec["critic"] = (rows, losses)
     # ---- actor: PPO epochs over mini-batches
     gaps = []
     if update_actor:
@@ -201,13 +201,13 @@ def _metrics(rec: dict, mbs: list, *, update_actor: bool, measure_gap: bool, lr)
     out = {}
     if "critic_grad_norm" in rec:
         out["critic_grad_norm"] = rec["critic_grad_norm"]
-    acc, losses = rec["critic"]
-    out.update(_means(acc, "critic/"))
+    rows, losses = rec["critic"]
+    out.update(Means(rows).result("critic/"))
     out["critic/value_loss"] = _total(losses)
     if update_actor:
         acc = Means()
         for rows, losses, norm in rec["actor"]:
-            mb = _means(rows, "actor/")
+            mb = Means(rows).result("actor/")
             mb["actor/policy_loss"] = _total(losses)
             mb["actor/grad_norm"] = norm
             acc.add(mb, 1.0)
@@ -227,12 +227,6 @@ def _metrics(rec: dict, mbs: list, *, update_actor: bool, measure_gap: bool, lr)
     return out
 
 
-def _means(rows, prefix):
-    acc = Means()
-    acc.rows = rows
-    return acc.result(prefix)
-
-
 def _total(losses) -> float:
     total = 0.0
     for x in losses:
@@ -249,7 +243,7 @@ def _actor_update(state, mbs, adv, old, den, gaps) -> tuple:
 
     cfg, actor, group = state.cfg, state.actor, state.group
     state.opt_actor.zero_grad(set_to_none=True)
-    acc, losses = Means(), []
+    rows, losses = [], []
     for i, m in enumerate(mbs):
         b = m.batch
         logp, ent = actor_logprobs(actor, b, m.idx, temperature=cfg.temperature, return_entropy=True, tables=m.tables)
@@ -268,8 +262,8 @@ def _actor_update(state, mbs, adv, old, den, gaps) -> tuple:
                 met.update(rollout_kl=(torch.expm1(lr) - lr).mean(), rollout_logp_absdiff_max=lr.abs().max(),
                            entropy=ent.detach()[p].mean())
         losses.append(loss.detach())
-        acc.add(met, m.n_policy)
-    return acc.rows, losses, optim_step(actor.parameters(), state.opt_actor, cfg.max_grad_norm, group)
+        rows.append((met, m.n_policy))
+    return rows, losses, optim_step(actor.parameters(), state.opt_actor, cfg.max_grad_norm, group)
 
 
 _MOVED = {"loop": ("EVAL_SEED_BASE", "evaluate", "fit", "micro_batches", "split_rollouts", "train_seeds"),

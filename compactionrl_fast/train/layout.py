@@ -134,17 +134,19 @@ def concat_layout(layouts, masks):
     return torch.cat([m.reshape(-1) for m in masks]), torch.cat(cu_seq), torch.cat(cu_seg)
 
 
-def denominator(layouts, masks, reduction: str, group=None, device=None):
+def denominator(layouts, masks, reduction: str, group=None, device=None, nccl=None):
     """Global count (all micro-batches, all ranks) of the reduction's units: tokens, or segments or
     rollouts with a masked token; None for "sum". At least 1, so an all-masked batch gives loss 0.
 
-    A Python int, except over NCCL ranks: a tensor on `device` (the all-reduce runs there; no host read)."""
+    A Python int, except over NCCL ranks (`nccl`, None: asked here): a tensor on `device` (the all-reduce
+    runs there; no host read)."""
     from ..ops import global_denominator
 
     if reduction == "sum":
         return None
     mask, cu_seq, cu_seg = concat_layout(layouts, masks)
-    nccl = dist.world()[1] > 1 and torch.distributed.get_backend(group) == "nccl"
+    if nccl is None:
+        nccl = dist.world()[1] > 1 and torch.distributed.get_backend(group) == "nccl"
     if nccl:
         mask, cu_seq, cu_seg = mask.to(device), cu_seq.to(device), cu_seg.to(device)
     n = global_denominator(reduction, mask, cu_seqlens=cu_seq, cu_segments=cu_seg, group=group, as_tensor=nccl)
@@ -161,11 +163,12 @@ class Denominators:
     @classmethod
     def build(cls, mbs: list, minibatches: list, cfg, group=None, device=None) -> "Denominators":
         hosts = [m.host for m in mbs]
-        value = denominator(hosts, [h.loss_mask for h in hosts], "token-mean", group, device)
+        nccl = dist.world()[1] > 1 and torch.distributed.get_backend(group) == "nccl"
+        value = denominator(hosts, [h.loss_mask for h in hosts], "token-mean", group, device, nccl)
         policy = []
         for mb in minibatches:
             sub = [hosts[j] for j in mb]
-            policy.append(denominator(sub, [h.policy_mask for h in sub], cfg.loss_reduction, group, device))
+            policy.append(denominator(sub, [h.policy_mask for h in sub], cfg.loss_reduction, group, device, nccl))
         return cls(value, policy)
 
 

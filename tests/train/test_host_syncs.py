@@ -9,7 +9,9 @@ at its Python methods' device guards, so there the device data are fake CPU tens
 micro-batches and the models onward (what is computed from them counts; host data such as Adam's step
 counters does not), and the ops' own CPU branches are left out: they read on the CPU where that is no sync
 (`value_head`'s finite check of its weight gradient), and tests/ops checks on fake CUDA that the ops never
-read the device.
+read the device. Not seen here: Hugging Face's SDPA mask check (`_ignore_causal_mask_sdpa` reads the padding
+mask: up to 2 reads per decoder call on the padded path) skips itself on fake tensors; on CUDA the packed
+flash-attention path (the default where flash-attn is installed) passes no mask.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """One trainer step on hand-made batches: directions, micro-batch exactness, the ablation mask."""
 import copy
+import math
 
 import pytest
 import torch
@@ -541,3 +542,20 @@ def test_evaluate_default_chunk_and_a_rank_without_rollouts(monkeypatch):
     _FakeWorld(monkeypatch, rank=1)
     m, ro = evaluate(None, lambda n: [None] * n, None, cfg, 1, temperature=0.0)  # rank 1 gets no seed of 1
     assert ro == [] and m["reward"] == 1.0  # the other rank's sums (0 + 1) over its count (0 + 1)
+
+
+def test_denominators_stay_on_the_device_over_nccl(monkeypatch):
+    """Over NCCL ranks the global count is all-reduced on the training device and stays a tensor there (no
+    host read); the step takes it as the losses' denominator."""
+    from compactionrl_fast.train.layout import denominator
+
+    b = hand_batch()
+    assert denominator([b], [b.loss_mask], "token-mean") == int(b.loss_mask.sum())  # one process: an int
+    _FakeWorld(monkeypatch, backend="nccl")
+    d = denominator([b], [b.loss_mask], "token-mean", group="g", device="cpu")
+    assert isinstance(d, torch.Tensor) and d.dim() == 0 and int(d) == int(b.loss_mask.sum())
+    off = denominator([b], [torch.zeros_like(b.loss_mask)], "rollout-mean", group="g", device="cpu")
+    assert int(off) == 1  # at least 1
+    actor, critic = tiny_models()
+    m = train_step(make_state(_cfg(), actor, critic, group="g"), [b], diagnose=False)
+    assert math.isfinite(m["actor/policy_loss"]) and math.isfinite(m["critic/value_loss"])

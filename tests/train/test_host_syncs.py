@@ -15,9 +15,11 @@ flash-attention path (the default where flash-attn is installed) passes no mask.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from compactionrl_fast.ops import _dispatch
 from compactionrl_fast.packing import pack
 from compactionrl_fast.train.config import TrainConfig
 from compactionrl_fast.train.layout import MicroBatch
@@ -29,6 +31,8 @@ from ._tiny import tiny_models, tiny_rollouts
 
 DEVICE = "cuda" if torch.backends.cuda.is_built() else "cpu"
 MAX_SYNCS = 3
+pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not _dispatch.has_triton(),
+                                reason="the ops' CUDA default backend is triton")
 
 
 def _tensors(x):

@@ -14,16 +14,9 @@ import errno
 import os
 import re
 import shutil
-import signal
 
 TMP_TAG = ".tmp-"  # temporary names: "." + target name + TMP_TAG + writer's pid
 _TMP_RE = re.compile(r"^\..+\.tmp-(\d+)$")
-
-# Test hook for the trainer's fault test: COMPACTIONRL_FAST_KILL_AT_WRITE=k makes the k-th atomic write
-# of this process (1-based), =NAME the first write of a file or directory named NAME, SIGKILL the
-# process half-way through, its temporary file left on disk.
-_KILL_ENV = "COMPACTIONRL_FAST_KILL_AT_WRITE"
-_writes = 0
 
 
 def _tmp_name(path: str) -> str:
@@ -60,21 +53,6 @@ def _remove(p: str) -> None:
             os.remove(p)
 
 
-def _fault_point(path: str, f=None) -> None:
-    """The test hook: kill this process with half of file `f` (if any) on the disk."""
-    global _writes
-    want = os.environ.get(_KILL_ENV)
-    if not want:
-        return
-    _writes += 1
-    if (_writes == int(want)) if want.isdigit() else (os.path.basename(path) == want):
-        if f is not None:
-            f.flush()
-            f.truncate(max(f.tell() // 2, 1))
-            os.fsync(f.fileno())
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _raise_clear(e: BaseException, path: str):
     if is_no_space(e):
         raise OSError(errno.ENOSPC, f"no space left on device while writing {path}") from e
@@ -96,7 +74,6 @@ def atomic_write(path: str, write, *, text: bool = False) -> str:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # 0o666 & ~umask, like open()
         with os.fdopen(fd, "w" if text else "wb") as f:
             write(f)
-            _fault_point(path, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -131,7 +108,6 @@ def atomic_dir(path: str):
     try:
         os.makedirs(tmp)
         yield tmp
-        _fault_point(path)
         for root, _, files in os.walk(tmp):
             for name in files:
                 with open(os.path.join(root, name), "rb") as f:

@@ -26,7 +26,8 @@ class PackedBatch:
     cu_segments: int64 [R+1] segment offsets per rollout; segment_attn: int64 [S] attention sequence of
     each segment; loss_mask: bool [T] (True exactly on sampled tokens that are trained);
     rollout_logprobs: float32 [T] (sampler log-prob of token t, 0 where not trainable);
-    rewards: float32 [T] (placed with place_final_rewards); segment_kind: int8 [S] (0 exec, 1 summary);
+    rewards: float32 [T] (placed with place_final_rewards in `reward_mode`); segment_kind: int8 [S] (0 exec,
+    1 summary);
     rollout_rewards: float32 [R]; per rollout: success, truncated, errored (bool [R]), compactions,
     num_turns (int64 [R]), and as lists: finish_reasons, errors, summary_lengths, infos.
     """
@@ -50,6 +51,7 @@ class PackedBatch:
     errors: list = field(default_factory=list)
     summary_lengths: list = field(default_factory=list)
     infos: list = field(default_factory=list)
+    reward_mode: str = "paper"  # where `rewards` holds the final rewards: the trainer reuses them in that mode
 
     @property
     def num_tokens(self) -> int:
@@ -159,5 +161,6 @@ def pack(rollouts, *, prefix_sharing: bool = False, reward_mode: str = "paper", 
         errors=[ro.error for ro in rollouts],
         summary_lengths=[ro.summary_lengths for ro in rollouts],
         infos=[dict(ro.info) for ro in rollouts],
+        reward_mode=reward_mode,
     )
     return batch.to(device) if torch.device(device).type != "cpu" else batch

@@ -1,7 +1,9 @@
 """Per-step training diagnostics the paper does not report.
 
-All functions read the packed layout (docs/layout.md) plus per-token advantages/values/returns [T] and
-return flat dicts of floats (lists for histograms and deciles) ready for the JSONL log.
+What depends on the packed layout alone (docs/layout.md) is derived once per step on the host
+(`layout_part`, kept in the step's `layout.MicroBatch`); what depends on advantages, values and returns [T]
+stays on the device as [] tensors until the step's one read (`readout.read`). The result: flat dicts of
+floats (lists for histograms and deciles) ready for the JSONL log.
 """
 from __future__ import annotations
 
@@ -59,39 +61,38 @@ def cross_segment_factors(batch, cfg, n=None, roll=None):
     return out
 
 
-def explained_variance(pred, target) -> float:
-    """1 - Var(target - pred) / Var(target); nan for fewer than 2 points or constant targets."""
+def _mean(x, n: int):
+    """x.mean() [] as a tensor, NaN for an empty x: `n` is its size, known on the host."""
+    return x.mean() if n else float("nan")
+
+
+def explained_variance(pred, target):
+    """1 - Var(target - pred) / Var(target) [] (a tensor); nan for fewer than 2 points or constant targets."""
     if target.numel() < 2:
         return float("nan")
     var = target.double().var()
-    if var <= 0:
-        return float("nan")
-    return float(1.0 - (target.double() - pred.double()).var() / var)
+    return torch.where(var > 0, 1.0 - (target.double() - pred.double()).var() / var, float("nan"))
 
 
 def calibration_deciles(pred, target, bins: int = 10):
-    """Mean predicted and mean realised value in `bins` equal-count bins of the prediction."""
+    """Mean predicted and mean realised value ([] tensors) in `bins` equal-count bins of the prediction."""
     if pred.numel() < bins:
         return [], []
     order = pred.double().argsort()
     chunks = torch.tensor_split(order, bins)
-    return ([float(pred.double()[c].mean()) for c in chunks], [float(target.double()[c].mean()) for c in chunks])
+    return [pred.double()[c].mean() for c in chunks], [target.double()[c].mean() for c in chunks]
 
 
-def batch_diagnostics(batch, advantages, values, returns, cfg) -> dict:
-    """Compaction shape, advantage structure and value calibration of one packed batch.
-
-    Args:
-        batch: a PackedBatch; advantages, values, returns: [T] float (trainable positions read).
-    """
-    seg, roll, n = segment_ids(batch)
+def layout_part(batch, cfg, idx, ids=None) -> dict:
+    """What the diagnostics read of the layout alone, derived where the batch is (the host, once per step):
+    the compaction-shape numbers and the cross-segment factors (host values), and the positions in the
+    trainable tokens `idx` [N] of exec tokens, summary tokens and the tokens of a rollout's k-th summary.
+    ids: `segment_ids(batch)` (None: derived here)."""
+    seg, roll, n = segment_ids(batch) if ids is None else ids
     R = batch.cu_segments.numel() - 1
     mask = batch.loss_mask
     kind = batch.segment_kind.long()
-    out = {}
-    out["rollouts"] = R
-    out["tokens_total"] = int(mask.numel())
-    out["tokens_trainable"] = int(mask.sum())
+    out = {"rollouts": R, "tokens_total": int(mask.numel()), "tokens_trainable": int(mask.sum())}
     for k, name in ((EXEC, "exec"), (SUMMARY, "summary")):
         out[f"tokens_{name}_per_rollout"] = float(n[kind == k].sum()) / max(R, 1)
         out[f"segments_{name}_per_rollout"] = float((kind == k).sum()) / max(R, 1)
@@ -99,67 +100,92 @@ def batch_diagnostics(batch, advantages, values, returns, cfg) -> dict:
     sums = n[kind == SUMMARY]
     out["summary_length"] = float(sums.double().mean()) if sums.numel() else 0.0
 
-    # advantages by segment kind and by summary order (early vs late summaries)
-    adv_t = advantages.double()[mask]
-    kind_t = kind[seg][mask]
-    for k, name in ((EXEC, "exec"), (SUMMARY, "summary")):
-        sel = adv_t[kind_t == k]
-        out[f"adv_{name}_mean"] = float(sel.mean()) if sel.numel() else float("nan")
-    sidx = summary_index(batch, roll)[seg][mask]
-    for i in (1, 2, 3):
-        sel = adv_t[sidx == i]
-        out[f"adv_summary{i}_mean"] = float(sel.mean()) if sel.numel() else float("nan")
-    out["adv_abs_mean"] = float(adv_t.abs().mean()) if adv_t.numel() else float("nan")
-
     # segment weights in the loss: the cross-segment factor, and each segment's share of the tokens
     f = cross_segment_factors(batch, cfg, n, roll)
     has = n > 0
     hist = torch.histc(f[has].float(), bins=FACTOR_BINS, min=0.0, max=1.0) if bool(has.any()) else torch.zeros(FACTOR_BINS)
-    out["segment_factor_hist"] = [int(x) for x in hist.tolist()]
+    factors = {"segment_factor_hist": [int(x) for x in hist.tolist()]}
     for k, name in ((EXEC, "exec"), (SUMMARY, "summary")):
         sel = f[has & (kind == k)]
-        out[f"segment_factor_{name}_mean"] = float(sel.mean()) if sel.numel() else float("nan")
+        factors[f"segment_factor_{name}_mean"] = float(sel.mean()) if sel.numel() else float("nan")
     share = n[has].double() / max(int(n.sum()), 1)
-    out["segment_token_share_max"] = float(share.max()) if share.numel() else 0.0
+    factors["segment_token_share_max"] = float(share.max()) if share.numel() else 0.0
+
+    kind_t = kind[seg][idx]
+    sidx = summary_index(batch, roll)[seg][idx]
+    pos = {name: (kind_t == k).nonzero()[:, 0] for k, name in ((EXEC, "exec"), (SUMMARY, "summary"))}
+    pos.update({f"summary{i}": (sidx == i).nonzero()[:, 0] for i in (1, 2, 3)})
+    return {"shape": out, "factors": factors, "pos": pos}
+
+
+def batch_diagnostics(mb, advantages, values, returns, cfg) -> dict:
+    """Compaction shape, advantage structure and value calibration of one micro-batch.
+
+    Args:
+        mb: a `layout.MicroBatch`; advantages, values, returns: [T] float (trainable positions read).
+    Returns host numbers for what the layout decides and [] tensors for the rest (`readout.read` reads them).
+    """
+    pos, idx = mb.diag["pos"], mb.idx
+    out = dict(mb.diag["shape"])
+    # advantages by segment kind and by summary order (early vs late summaries)
+    adv_t = advantages.double()[idx]
+    for name in ("exec", "summary"):
+        out[f"adv_{name}_mean"] = _mean(adv_t[pos[name]], pos[name].numel())
+    for i in (1, 2, 3):
+        p = pos[f"summary{i}"]
+        out[f"adv_summary{i}_mean"] = _mean(adv_t[p], p.numel())
+    out["adv_abs_mean"] = _mean(adv_t.abs(), adv_t.numel())
+    out.update(mb.diag["factors"])
 
     # value calibration on trainable tokens: explained variance, predicted vs realised return by decile
-    v, ret = values.double()[mask], returns.double()[mask]
+    v, ret = values.double()[idx], returns.double()[idx]
     out["value_explained_variance"] = explained_variance(v, ret)
-    out["value_mean"] = float(v.mean()) if v.numel() else float("nan")
-    out["return_mean"] = float(ret.mean()) if ret.numel() else float("nan")
+    out["value_mean"] = _mean(v, v.numel())
+    out["return_mean"] = _mean(ret, ret.numel())
     out["value_decile_pred"], out["value_decile_real"] = calibration_deciles(v, ret)
     return out
 
 
-def advantage_gap(batch, values, cfg) -> dict:
-    """Gap between the paper's and the stitched advantages on the same batch and values.
+def _corrcoef(x):
+    """torch.corrcoef of x [2, n] float64, n >= 2, in its own steps (the same numbers) minus its host check
+    of the normalisation factor (a sync on CUDA)."""
+    n = x.shape[1]
+    xm = x - (x.sum(1) / n).unsqueeze(1)
+    c = torch.mm(xm, xm.t()) / (n - 1)
+    sd = c.diagonal().sqrt()
+    return (c / sd.view(-1, 1) / sd.view(1, -1)).clamp(-1, 1)
 
-    Both come from `segment_gae`; rewards are placed per mode with `place_final_rewards`.
+
+def advantage_gap(mb, values, cfg) -> dict:
+    """Gap between the paper's and the stitched advantages on the same micro-batch and values ([] tensors).
+
+    Both come from `segment_gae`; the rewards of the micro-batch's own placement are reused, the other mode's
+    are placed with `place_final_rewards`.
     """
     from ..ops import place_final_rewards, segment_gae
 
+    batch, idx = mb.batch, mb.idx
     mask = batch.loss_mask
     adv = {}
     for mode in ("paper", "stitched"):
-        rewards = place_final_rewards(batch.rollout_rewards.float(), mask, batch.cu_seqlens, batch.cu_segments,
-                                      mode=mode)
+        rewards = mb.rewards if mode == getattr(mb, "reward_mode", None) else place_final_rewards(
+            batch.rollout_rewards.float(), mask, batch.cu_seqlens, batch.cu_segments, mode=mode)
         adv[mode], _ = segment_gae(rewards, values.float(), mask, batch.cu_seqlens, batch.cu_segments,
                                    gamma=cfg.gamma, lam=cfg.lam, cross_segment=mode, lam_critic=cfg.lam_critic,
                                    adaptive_alpha=cfg.adaptive_alpha, adaptive_length=cfg.adaptive_length)
-    a, b = adv["paper"].double()[mask], adv["stitched"].double()[mask]
+    a, b = adv["paper"].double()[idx], adv["stitched"].double()[idx]
     out = {}
     if a.numel() == 0:
         return out
     diff = (a - b).abs()
-    out["gap_abs_mean"] = float(diff.mean())
-    out["gap_rel"] = float(diff.mean() / b.abs().mean().clamp(min=1e-12))
-    out["gap_corr"] = float(torch.corrcoef(torch.stack([a, b]))[0, 1]) if a.numel() > 1 and a.std() > 0 and b.std() > 0 else float("nan")
-    seg, _, _ = segment_ids(batch)
-    kind_t = batch.segment_kind.long()[seg][mask]
-    for k, name in ((EXEC, "exec"), (SUMMARY, "summary")):
-        sel = kind_t == k
-        out[f"gap_{name}_abs_mean"] = float(diff[sel].mean()) if bool(sel.any()) else float("nan")
-    out["sign_agreement"] = float(((a > 0) == (b > 0)).double().mean())
+    out["gap_abs_mean"] = diff.mean()
+    out["gap_rel"] = diff.mean() / b.abs().mean().clamp(min=1e-12)
+    out["gap_corr"] = torch.where((a.std() > 0) & (b.std() > 0), _corrcoef(torch.stack([a, b]))[0, 1],
+                                  float("nan")) if a.numel() > 1 else float("nan")
+    pos = mb.diag["pos"]
+    for name in ("exec", "summary"):
+        out[f"gap_{name}_abs_mean"] = _mean(diff[pos[name]], pos[name].numel())
+    out["sign_agreement"] = ((a > 0) == (b > 0)).double().mean()
     return out
 
 

@@ -93,7 +93,7 @@ def decoder(model) -> nn.Module:
 # packed forward
 
 
-def packed_hidden(model, input_ids, position_ids, cu_attn, *, pad_ratio=0.8):
+def packed_hidden(model, input_ids, position_ids, cu_attn, *, pad_ratio=0.8, tables=None):
     """Last hidden states [T, H] of the decoder of `model` (actor or critic) over packed sequences.
 
     On the padded path, sequences are sorted by length and run in buckets padded to their longest
@@ -102,6 +102,8 @@ def packed_hidden(model, input_ids, position_ids, cu_attn, *, pad_ratio=0.8):
     Args:
         input_ids: [T] int64; position_ids: [T] int64 (0 at the start of each attention sequence);
         cu_attn: [A+1] int64 attention-sequence offsets.
+        tables: `forward_tables(cu_attn, pad_ratio)` built beforehand (on the host: no host read here);
+            None builds them from cu_attn.
     """
     dec = decoder(model)
     T = input_ids.numel()
@@ -109,17 +111,37 @@ def packed_hidden(model, input_ids, position_ids, cu_attn, *, pad_ratio=0.8):
         # one packed row: HF derives the varlen boundaries from the position-id restarts
         out = dec(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
         return out.last_hidden_state[0]
-    lens = cu_attn.diff().long()
-    order = torch.argsort(lens, descending=True, stable=True)
-    order = order[lens[order] > 0]  # empty sequences would give fully masked rows
     hidden = None
-    for rows in _buckets(lens[order].tolist(), pad_ratio):
-        sel = order[rows[0]:rows[1]]
-        h, tok = _padded_forward(dec, input_ids, position_ids, cu_attn[:-1].long()[sel], lens[sel])
+    for seq, col, tok, mask in forward_tables(cu_attn, pad_ratio) if tables is None else tables:
+        A, L = mask.shape
+        ids = input_ids.new_zeros(A, L).index_put_((seq, col), input_ids[tok])
+        pos = position_ids.new_zeros(A, L).index_put_((seq, col), position_ids[tok])
+        h = dec(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state[seq, col]
         if hidden is None:
             hidden = h.new_zeros(T, h.shape[-1])
         hidden = hidden.index_copy(0, tok, h)
     return hidden if hidden is not None else input_ids.new_zeros(T, dec.config.hidden_size, dtype=torch.float32)
+
+
+def forward_tables(cu_attn, pad_ratio=0.8) -> list:
+    """The padded forward's index tables of the attention sequences `cu_attn` [A+1]: one (seq [n], col [n],
+    tok [n], attention mask [rows, width] int64) per bucket; the bucket's n tokens go to (seq, col) of the
+    padded [rows, width] input, from packed positions tok. Empty sequences are left out (they would give
+    fully masked rows). Reads cu_attn on the host: build them where it lives there."""
+    lens = cu_attn.diff().long()
+    order = torch.argsort(lens, descending=True, stable=True)
+    order = order[lens[order] > 0]
+    dev = cu_attn.device
+    out = []
+    for a, b in _buckets(lens[order].tolist(), pad_ratio):
+        sel = order[a:b]
+        starts, ln = cu_attn[:-1].long()[sel], lens[sel]
+        A, L, n = ln.numel(), int(ln.max()), int(ln.sum())
+        seq = torch.repeat_interleave(torch.arange(A, device=dev), ln, output_size=n)
+        col = torch.arange(n, device=dev) - (torch.cumsum(ln, 0) - ln)[seq]
+        mask = torch.zeros(A, L, dtype=torch.long, device=dev).index_put_((seq, col), torch.ones_like(col))
+        out.append((seq, col, starts[seq] + col, mask))
+    return out
 
 
 def _buckets(lens_desc, ratio):
@@ -135,20 +157,6 @@ def _buckets(lens_desc, ratio):
     return out
 
 
-def _padded_forward(dec, input_ids, position_ids, starts, lens):
-    """Decoder over sequences (starts, lens) padded to [A, Lmax]; returns (hidden [n, H], token positions [n])."""
-    dev = input_ids.device
-    A, L, n = lens.numel(), int(lens.max()), int(lens.sum())
-    seq = torch.repeat_interleave(torch.arange(A, device=dev), lens, output_size=n)
-    col = torch.arange(n, device=dev) - (torch.cumsum(lens, 0) - lens)[seq]
-    tok = starts[seq] + col
-    ids = input_ids.new_zeros(A, L).index_put_((seq, col), input_ids[tok])
-    pos = position_ids.new_zeros(A, L).index_put_((seq, col), position_ids[tok])
-    mask = torch.zeros(A, L, dtype=torch.long, device=dev).index_put_((seq, col), torch.ones_like(col))
-    out = dec(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
-    return out.last_hidden_state[seq, col], tok
-
-
 def action_index(loss_mask, cu_attn):
     """Positions [N] of the trainable tokens; raise if one starts an attention sequence (no state before it)."""
     idx = loss_mask.nonzero()[:, 0]
@@ -158,19 +166,20 @@ def action_index(loss_mask, cu_attn):
     return idx
 
 
-def actor_logprobs(actor, batch, idx, *, temperature=1.0, return_entropy=False):
-    """Log-probs [N] (and entropies [N]) of the tokens at positions `idx` under the actor, via `linear_logprobs`."""
+def actor_logprobs(actor, batch, idx, *, temperature=1.0, return_entropy=False, tables=None):
+    """Log-probs [N] (and entropies [N]) of the tokens at positions `idx` under the actor, via `linear_logprobs`;
+    `tables`: see `packed_hidden`."""
     from ..ops import linear_logprobs
 
-    hidden = packed_hidden(actor, batch.input_ids, batch.position_ids, batch.cu_attn)
+    hidden = packed_hidden(actor, batch.input_ids, batch.position_ids, batch.cu_attn, tables=tables)
     head = actor.get_output_embeddings()
     return linear_logprobs(hidden[idx - 1], head.weight, batch.input_ids[idx], bias=head.bias,
                            temperature=temperature, return_entropy=return_entropy)
 
 
-def critic_hidden(critic, batch, idx):
+def critic_hidden(critic, batch, idx, tables=None):
     """Hidden states [N, H] of the states before the tokens at positions `idx` (input of the value head)."""
-    hidden = packed_hidden(critic, batch.input_ids, batch.position_ids, batch.cu_attn)
+    hidden = packed_hidden(critic, batch.input_ids, batch.position_ids, batch.cu_attn, tables=tables)
     return hidden[idx - 1]
 
 

@@ -11,7 +11,8 @@ import math
 import torch
 
 from .model import action_index, actor_logprobs
-from .trainer import _optim_step, denominator
+from .layout import denominator
+from .trainer import optim_step
 
 
 def lr_at(step: int, total: int, cfg) -> float:
@@ -41,6 +42,6 @@ def sft_step(actor, opt, batches, cfg, *, lr=None, group=None) -> dict:
         loss = -logp.sum() / den
         loss.backward()
         total += float(loss.detach())
-    norm = _optim_step(actor.parameters(), opt, cfg.max_grad_norm, group)
+    norm = float(optim_step(actor.parameters(), opt, cfg.max_grad_norm, group))
     return {"sft/loss": total, "sft/grad_norm": norm, "sft/tokens": den,
             "sft/lr": opt.param_groups[0]["lr"]}

@@ -12,7 +12,8 @@ from compactionrl_fast import demo
 from compactionrl_fast.rollout.engines.transformers_engine import TransformersEngine
 from compactionrl_fast.train import checkpoint
 from compactionrl_fast.train.model import critic_from_actor
-from compactionrl_fast.train.trainer import fit, load_state, make_state
+from compactionrl_fast.train.loop import fit
+from compactionrl_fast.train.trainer import load_state, make_state
 
 from ._tiny import tiny_train_config
 

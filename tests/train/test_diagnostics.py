@@ -6,8 +6,25 @@ import torch
 from compactionrl_fast.reference.gae import power, segment_lambdas
 from compactionrl_fast.train import diagnostics as D
 from compactionrl_fast.train.config import TrainConfig
+from compactionrl_fast.train.readout import read
 
 from ._tiny import hand_batch
+
+
+def _mb(b, cfg):
+    """The part of a `layout.MicroBatch` the diagnostics read."""
+    from types import SimpleNamespace
+
+    idx = b.loss_mask.nonzero()[:, 0]
+    return SimpleNamespace(batch=b, idx=idx, diag=D.layout_part(b, cfg, idx))
+
+
+def _diagnostics(b, adv, values, ret, cfg):
+    return read(D.batch_diagnostics(_mb(b, cfg), adv, values, ret, cfg))
+
+
+def _gap(b, values, cfg):
+    return read(D.advantage_gap(_mb(b, cfg), values, cfg))
 
 
 def test_segment_ids_and_summary_index():
@@ -37,7 +54,7 @@ def test_batch_diagnostics_counts_and_calibration():
     b = hand_batch(rollouts=((9, 5, 6), (12,)))
     _, _, n = D.segment_ids(b)
     ret = torch.randn(b.loss_mask.numel())
-    out = D.batch_diagnostics(b, torch.randn_like(ret), ret.clone(), ret, TrainConfig())
+    out = _diagnostics(b, torch.randn_like(ret), ret.clone(), ret, TrainConfig())
     assert out["tokens_summary_per_rollout"] == float(n[1]) / 2
     assert out["tokens_exec_per_rollout"] == float(n[0] + n[2] + n[3]) / 2
     assert out["compactions_per_rollout"] == 0.5 and out["summary_length"] == float(n[1])
@@ -49,10 +66,10 @@ def test_batch_diagnostics_counts_and_calibration():
 def test_advantage_gap_is_zero_without_compaction_and_not_with_it():
     single = hand_batch(rollouts=((12,), (9,)))
     v = torch.randn(single.loss_mask.numel())
-    assert D.advantage_gap(single, v, TrainConfig())["gap_abs_mean"] < 1e-6
+    assert _gap(single, v, TrainConfig())["gap_abs_mean"] < 1e-6
     multi = hand_batch(rollouts=((9, 5, 6), (12, 7)))
     v = torch.randn(multi.loss_mask.numel())
-    g = D.advantage_gap(multi, v, TrainConfig())
+    g = _gap(multi, v, TrainConfig())
     assert g["gap_abs_mean"] > 1e-3 and math.isfinite(g["gap_corr"])
     # against the paper's and the stitched advantages of the float64 reference, called directly
     from compactionrl_fast.reference import place_final_rewards as ref_place, segment_gae as ref_gae
@@ -74,7 +91,7 @@ def test_advantage_gap_on_a_hand_example():
     b = SimpleNamespace(loss_mask=torch.tensor([False, True, False, True]), cu_seqlens=torch.tensor([0, 2, 4]),
                         cu_segments=torch.tensor([0, 2]), segment_kind=torch.tensor([0, 1], dtype=torch.int8),
                         rollout_rewards=torch.tensor([1.0]))
-    g = D.advantage_gap(b, torch.tensor([0.0, 0.5, 0.0, 0.25]), TrainConfig(gamma=1.0, lam=0.5))
+    g = _gap(b, torch.tensor([0.0, 0.5, 0.0, 0.25]), TrainConfig(gamma=1.0, lam=0.5))
     assert abs(g["gap_abs_mean"] - 0.0625) < 1e-7  # (|0.25 - 0.125| + |0.75 - 0.75|) / 2
     assert abs(g["gap_rel"] - 0.0625 / 0.4375) < 1e-6
     assert abs(g["gap_exec_abs_mean"] - 0.125) < 1e-7 and abs(g["gap_summary_abs_mean"]) < 1e-7

@@ -15,11 +15,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # runner.train (`python -m compactionrl_fast train`) on the tiny task (SFT 2 steps, 1 value pre-training step, 2 PPO steps, a checkpoint after
 # every step), without the plots (matplotlib would dominate the time and plots are not state)
+# every restart of the killed run installs the kill switch (tests/train/_kill_hook.py) when given one:
+# argv[2] = k kills at the k-th atomic write of the process, NAME at the first write of NAME
 DRIVER = """
 import sys
 import compactionrl_fast.train.plots as plots
 from compactionrl_fast import runner
 from tests.train._tiny import tiny_train_config
+if len(sys.argv) > 2:
+    from tests.train._kill_hook import install
+    install(int(sys.argv[2]) if sys.argv[2].isdigit() else sys.argv[2])
 plots.plot_run = lambda *a, **k: []
 runner.train(tiny_train_config(sys.argv[1], checkpoint_every=1, threads=1))
 """
@@ -27,10 +32,8 @@ runner.train(tiny_train_config(sys.argv[1], checkpoint_every=1, threads=1))
 
 def _start(run_dir, kill_at_write=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    env.pop("COMPACTIONRL_FAST_KILL_AT_WRITE", None)
-    if kill_at_write is not None:
-        env["COMPACTIONRL_FAST_KILL_AT_WRITE"] = str(kill_at_write)
-    return subprocess.Popen([sys.executable, "-c", DRIVER, str(run_dir)], cwd=ROOT, env=env,
+    at = [] if kill_at_write is None else [str(kill_at_write)]
+    return subprocess.Popen([sys.executable, "-c", DRIVER, str(run_dir), *at], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -98,6 +101,6 @@ def test_kill_9_anywhere_then_restart_equals_an_uninterrupted_run(tmp_path):
 
 
 def checkpoint_rows(run_dir):
-    from compactionrl_fast.train.trainer import read_rows
+    from compactionrl_fast.train.log import read_rows
 
     return read_rows(os.path.join(run_dir, "metrics.jsonl"))

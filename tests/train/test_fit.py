@@ -12,9 +12,11 @@ import torch
 from compactionrl_fast import demo
 from compactionrl_fast.rollout import loop
 from compactionrl_fast.rollout.engines.transformers_engine import TransformersEngine
-from compactionrl_fast.train import trainer
+from compactionrl_fast.train import dist, log as train_log, loop as train_loop, trainer
+from compactionrl_fast.train.log import MetricsLog, rollout_metrics
+from compactionrl_fast.train.loop import EVAL_SEED_BASE, evaluate, fit
 from compactionrl_fast.train.model import critic_from_actor
-from compactionrl_fast.train.trainer import EVAL_SEED_BASE, MetricsLog, evaluate, fit, make_state, rollout_metrics
+from compactionrl_fast.train.trainer import make_state
 
 from ._tiny import tiny_train_config
 
@@ -111,8 +113,8 @@ def _check_seeds(run):
         assert seeds == [base // 2] * 2  # group_size 2: the pair shares a task
         assert seed == (7 * 100_003 + it) * 1009
         assert temperature == 0.9 and n_envs == 2
-    assert rec["calls"][0][0] == trainer.train_seeds(cfg, 0, 0, 2)
-    assert trainer.train_seeds(cfg, 3, 1, 3) == [((7 * 100_003 + 3) * 2 + 3 + i) // 2 for i in range(3)]
+    assert rec["calls"][0][0] == train_loop.train_seeds(cfg, 0, 0, 2)
+    assert train_loop.train_seeds(cfg, 3, 1, 3) == [((7 * 100_003 + 3) * 2 + 3 + i) // 2 for i in range(3)]
 
 
 def _check_pretraining(run):
@@ -166,7 +168,7 @@ def _check_progress_and_checkpoints(run):
 
 def test_fit_refuses_a_batch_the_world_does_not_divide(tmp_path, monkeypatch):
     cfg = tiny_train_config(tmp_path, rollouts_per_step=3)
-    monkeypatch.setattr(trainer, "world", lambda: (0, 2))
+    monkeypatch.setattr(dist, "world", lambda: (0, 2))
     with pytest.raises(ValueError, match="rollouts_per_step"):
         fit(make_state(cfg, *_models(cfg)), engine=None, make_envs=None, tokenizer=None, rollout_cfg=None, pack=None,
             run_dir=str(tmp_path))
@@ -241,7 +243,7 @@ def test_metrics_log_writes_tensorboard_under_the_run(tmp_path, monkeypatch):
 
 
 def test_metrics_log_writes_nothing_on_other_ranks(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer, "world", lambda: (1, 2))
+    monkeypatch.setattr(dist, "world", lambda: (1, 2))
     log = MetricsLog(str(tmp_path / "r"))
     log.log(0, {"a": 1.0})
     assert log.tb is None and not os.path.exists(tmp_path / "r")
@@ -274,7 +276,7 @@ def test_metrics_log_leaves_no_partial_line_when_a_write_fails(tmp_path, monkeyp
             self.f.flush()
             raise OSError(err, os.strerror(err))
 
-    monkeypatch.setattr(trainer, "open", lambda *a, **k: HalfWrite(builtins.open(*a, **k)), raising=False)
+    monkeypatch.setattr(train_log, "open", lambda *a, **k: HalfWrite(builtins.open(*a, **k)), raising=False)
     with pytest.raises(OSError) as e:
         log.log(1, {"a": 2.0})
     assert e.value.errno == err
@@ -310,7 +312,7 @@ def test_fit_on_rank_1_of_2_averages_rollout_metrics(tmp_path, monkeypatch):
     w = _FakeWorld(monkeypatch, rank=1)
     fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=demo.packer(cfg),
         run_dir=cfg.run_dir, log=Log(), metrics_fn=lambda r: rollouts.append(r) or {}, chat="chat")
-    assert [c[0] for c in calls] == [trainer.train_seeds(cfg, it, 1, 1) for it in range(2)]
+    assert [c[0] for c in calls] == [train_loop.train_seeds(cfg, it, 1, 1) for it in range(2)]
     assert [c[1:] for c in calls] == [((3 * 100_003 + it) * 1009 + 1, 1, "chat") for it in range(2)]
     assert [r[0] for r in rows] == [0, 1]
     for (_, m), ro in zip(rows, rollouts):

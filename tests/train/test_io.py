@@ -208,7 +208,7 @@ def test_old_unchecked_checkpoints_are_refused(tmp_path):
 
 
 def test_metrics_log_full_disk_and_a_cut_line(tmp_path, monkeypatch):
-    from compactionrl_fast.train.trainer import MetricsLog, read_rows
+    from compactionrl_fast.train.log import MetricsLog, read_rows
 
     log = MetricsLog(str(tmp_path), tensorboard=False)
     log.log(0, {"reward": 1.0})

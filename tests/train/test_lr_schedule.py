@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from compactionrl_fast import demo
-from compactionrl_fast.train import trainer
+from compactionrl_fast.train import log
 from compactionrl_fast.train.config import ConfigError, TrainConfig
 from compactionrl_fast.train.model import critic_from_actor
-from compactionrl_fast.train.trainer import actor_lr_at, fit, make_state
+from compactionrl_fast.train.loop import fit
+from compactionrl_fast.train.trainer import actor_lr_at, make_state
 
 from ._tiny import tiny_train_config
 
@@ -71,7 +72,7 @@ def test_fit_uses_the_scheduled_lr_each_actor_update(tmp_path, schedule, end):
     assert lrs == want
     assert len(set(lrs)) == 3 and lrs[0] == 1e-3 and lrs[-1] < 1e-3 * (end + 0.8)
     assert critic_lrs == [cfg.critic_lr] * len(critic_lrs) and len(critic_lrs) == 2 * 4  # 2 updates, 4 iterations
-    rows = trainer.read_rows(f"{cfg.run_dir}/metrics.jsonl")
+    rows = log.read_rows(f"{cfg.run_dir}/metrics.jsonl")
     assert [r.get("actor/lr") for r in rows] == [None] + want[::2]  # value pre-training logs no actor lr
 
 

@@ -11,7 +11,8 @@ from compactionrl_fast.train.config import ConfigError, update  # noqa: E402
 from compactionrl_fast.train.engines import make_engine  # noqa: E402
 from compactionrl_fast.train.model import critic_from_actor  # noqa: E402
 from compactionrl_fast.train.sync import SamplerMismatchError, check_sampler  # noqa: E402
-from compactionrl_fast.train.trainer import fit, make_state  # noqa: E402
+from compactionrl_fast.train.loop import fit  # noqa: E402
+from compactionrl_fast.train.trainer import make_state  # noqa: E402
 
 from ..rollout.fake_server import FakeServer  # noqa: E402
 from ._tiny import tiny_train_config  # noqa: E402

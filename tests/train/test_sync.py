@@ -10,10 +10,11 @@ import torch
 
 from compactionrl_fast import demo
 from compactionrl_fast.rollout.engines.transformers_engine import TransformersEngine
-from compactionrl_fast.train import sync, trainer
+from compactionrl_fast.train import loop as train_loop, sync
 from compactionrl_fast.train.model import critic_from_actor
 from compactionrl_fast.train.sync import SamplerMismatchError, check_sampler, push_weights
-from compactionrl_fast.train.trainer import fit, make_state
+from compactionrl_fast.train.loop import fit
+from compactionrl_fast.train.trainer import make_state
 
 from ._tiny import tiny_train_config
 
@@ -73,7 +74,7 @@ def test_a_skipped_sync_is_caught(tmp_path, monkeypatch):
     """Without the sync after an update the engine samples from the old policy: the next step stops."""
     cfg, tok, actor, run = _setup(tmp_path)
     engine = CopyEngine(actor, pad_token_id=tok.pad_token_id)
-    monkeypatch.setattr(trainer, "push_weights", lambda engine, actor: 0.0)
+    monkeypatch.setattr(train_loop, "push_weights", lambda engine, actor: 0.0)
     with pytest.raises(SamplerMismatchError, match=r"step 2: .* > sampler_logp_tol = 0.001.*not synced"):
         run(engine)
     assert engine.loads == 0
@@ -82,14 +83,14 @@ def test_a_skipped_sync_is_caught(tmp_path, monkeypatch):
 def test_a_skipped_first_sync_is_caught_on_a_critic_only_step(tmp_path, monkeypatch):
     cfg, tok, actor, run = _setup(tmp_path)
     engine = CopyEngine(demo.build(_reseed(cfg, 5), tok), pad_token_id=tok.pad_token_id)
-    monkeypatch.setattr(trainer, "push_weights", lambda engine, actor: 0.0)
+    monkeypatch.setattr(train_loop, "push_weights", lambda engine, actor: 0.0)
     with pytest.raises(SamplerMismatchError, match="step 0"):
         run(engine)
 
 
 def test_the_guard_can_be_turned_off(tmp_path, monkeypatch):
     cfg, tok, actor, run = _setup(tmp_path, sampler_logp_tol=None)
-    monkeypatch.setattr(trainer, "push_weights", lambda engine, actor: 0.0)
+    monkeypatch.setattr(train_loop, "push_weights", lambda engine, actor: 0.0)
     rows = run(CopyEngine(actor, pad_token_id=tok.pad_token_id))
     assert max(m["sampler/logp_absdiff_max"] for _, m in rows if "sampler/logp_absdiff_max" in m) > 1e-3
 

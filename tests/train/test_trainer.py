@@ -1,12 +1,14 @@
 """One trainer step on hand-made batches: directions, micro-batch exactness, the ablation mask."""
 import copy
+import math
 
 import pytest
 import torch
 
 from compactionrl_fast.train.config import TrainConfig
 from compactionrl_fast.train.model import action_index, actor_logprobs, critic_values
-from compactionrl_fast.train.trainer import advantages, make_state, policy_mask, train_step
+from compactionrl_fast.train.layout import policy_mask
+from compactionrl_fast.train.trainer import advantages, make_state, train_step
 
 from ._tiny import hand_batch, tiny_models, tiny_rollouts
 
@@ -126,7 +128,7 @@ def test_ppo_epochs_and_minibatches_use_frozen_old_logprobs():
 
 def test_rollout_metrics_by_hand():
     from compactionrl_fast.rollout import Rollout, Segment
-    from compactionrl_fast.train.trainer import rollout_metrics
+    from compactionrl_fast.train.log import rollout_metrics
 
     summ = lambda n: Segment("summary", [0] * (n + 1), [False] + [True] * n, [0.0] * (n + 1))  # noqa: E731
     a = Rollout(segments=[summ(3), summ(5)], reward=1.0, compactions=2, turns=[1, 2, 3],
@@ -144,7 +146,7 @@ def test_rollout_metrics_by_hand():
 def test_concat_layout_and_denominator_over_micro_batches():
     from compactionrl_fast.packing import pack
     from compactionrl_fast.rollout import Rollout, Segment
-    from compactionrl_fast.train.trainer import concat_layout, denominator
+    from compactionrl_fast.train.layout import concat_layout, denominator
 
     seg = lambda n, on=True: Segment("exec", [0] * (n + 1), [False] + [on] * n, [0.0] * (n + 1))  # noqa: E731
     b1 = pack([Rollout(segments=[seg(2), seg(1, on=False)]), Rollout(segments=[seg(3)])])  # T 9, S 3, R 2
@@ -261,6 +263,8 @@ def test_two_epochs_of_one_minibatch_move_off_the_behaviour_policy():
 
 def test_diagnostic_histograms_come_from_the_first_micro_batch():
     from compactionrl_fast.train import diagnostics
+    from compactionrl_fast.train.layout import MicroBatch
+    from compactionrl_fast.train.readout import read
 
     b0, b1 = hand_batch(seed=0), hand_batch(seed=1, rollouts=((6, 8), (10, 5, 7)))
     actor, critic = tiny_models()
@@ -269,7 +273,7 @@ def test_diagnostic_histograms_come_from_the_first_micro_batch():
     with torch.no_grad():
         values = torch.zeros(b0.loss_mask.numel()).index_put_((idx,), critic_values(critic, b0, idx))
     adv, ret = advantages(b0, values, cfg)
-    want = diagnostics.batch_diagnostics(b0, adv, values, ret, cfg)
+    want = read(diagnostics.batch_diagnostics(MicroBatch.build(b0, cfg), adv, values, ret, cfg))
     lists = {k: v for k, v in want.items() if isinstance(v, list)}
     assert lists
     out = train_step(make_state(cfg, actor, critic), [b0, b1], update_actor=False)
@@ -278,10 +282,13 @@ def test_diagnostic_histograms_come_from_the_first_micro_batch():
     assert "gap_abs_mean" not in out  # the paper-vs-stitched gap only when asked
 
 
-def test_split_rollouts_and_micro_batches():
+def test_split_rollouts_and_micro_batches(monkeypatch):
     from types import SimpleNamespace
 
-    from compactionrl_fast.train.trainer import micro_batches, split_rollouts
+    from compactionrl_fast.train import loop
+    from compactionrl_fast.train.loop import micro_batches, split_rollouts
+
+    monkeypatch.setattr(loop, "layout_on", lambda b, cfg, device: b.to(device))
 
     ro = lambda *segs: SimpleNamespace(segments=[[0] * n for n in segs], n=sum(segs))  # noqa: E731
     sizes = lambda groups: [[r.n for r in g] for g in groups]  # noqa: E731
@@ -336,9 +343,9 @@ def test_save_and_load_state_keep_the_extras(tmp_path):
 
 
 def test_token_weighted_mean():
-    from compactionrl_fast.train.trainer import _Mean
+    from compactionrl_fast.train.readout import Means
 
-    acc = _Mean()
+    acc = Means()
     acc.add({"a": torch.tensor(1.0), "b": float("nan"), "c": 4.0}, 1.0)
     acc.add({"a": 3, "c": 1.0}, 3.0)
     acc.add({"d": 2.0}, 0.0)  # weight 0: no value
@@ -346,7 +353,7 @@ def test_token_weighted_mean():
 
 
 def test_read_rows_skips_cut_and_foreign_lines(tmp_path):
-    from compactionrl_fast.train.trainer import read_rows
+    from compactionrl_fast.train.log import read_rows
 
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 0}\n{"step": 1, "x"\n[1, 2]\n{"step": 2}\n')
@@ -354,7 +361,7 @@ def test_read_rows_skips_cut_and_foreign_lines(tmp_path):
 
 
 def test_metrics_log_sends_finite_numbers_to_tensorboard(tmp_path):
-    from compactionrl_fast.train.trainer import MetricsLog
+    from compactionrl_fast.train.log import MetricsLog
 
     class TB:
         def __init__(self):
@@ -370,16 +377,17 @@ def test_metrics_log_sends_finite_numbers_to_tensorboard(tmp_path):
 
 
 class _FakeWorld:
-    """Rank `rank` of 2 for trainer.world / dist: all_reduce adds the other rank's tensor, which is this
-    one's plus 1, 2, 3, ... by position (known, so the sum tells where each value went)."""
+    """Rank `rank` of 2 for train/dist.world and torch.distributed: all_reduce adds the other rank's tensor,
+    which is this one's plus 1, 2, 3, ... by position (known, so the sum tells where each value went)."""
 
     def __init__(self, monkeypatch, rank=0, backend="gloo"):
-        from compactionrl_fast.train import trainer
+        from compactionrl_fast.train import dist
 
         self.calls, self.backend_groups = [], []
-        monkeypatch.setattr(trainer, "world", lambda: (rank, 2))
-        monkeypatch.setattr(trainer.dist, "get_backend", lambda group=None: self.backend_groups.append(group) or backend)
-        monkeypatch.setattr(trainer.dist, "all_reduce", self.all_reduce)
+        monkeypatch.setattr(dist, "world", lambda: (rank, 2))
+        monkeypatch.setattr(torch.distributed, "get_backend",
+                            lambda group=None: self.backend_groups.append(group) or backend)
+        monkeypatch.setattr(torch.distributed, "all_reduce", self.all_reduce)
 
     def all_reduce(self, t, op=None, group=None):
         self.calls.append((t.dtype, t.device.type, t.numel(), group))
@@ -391,7 +399,7 @@ class _FakeWorld:
 
 
 def test_global_max_in_a_two_rank_world(monkeypatch):
-    from compactionrl_fast.train.trainer import global_max
+    from compactionrl_fast.train.dist import global_max
 
     assert global_max(2.5) == 2.5
     w = _FakeWorld(monkeypatch)
@@ -400,7 +408,7 @@ def test_global_max_in_a_two_rank_world(monkeypatch):
 
 
 def test_global_sum_and_all_reduce_grads_in_a_two_rank_world(monkeypatch):
-    from compactionrl_fast.train.trainer import all_reduce_grads, global_sum
+    from compactionrl_fast.train.dist import all_reduce_grads, global_sum
 
     assert global_sum(2.5) == 2.5 and isinstance(global_sum(True), float)  # one process: itself
     p = [torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(1))]
@@ -424,7 +432,7 @@ def test_evaluate_splits_seeds_over_ranks_and_averages(monkeypatch):
     from types import SimpleNamespace
 
     from compactionrl_fast.rollout import loop
-    from compactionrl_fast.train.trainer import evaluate
+    from compactionrl_fast.train.loop import evaluate
 
     calls = []
 
@@ -459,16 +467,16 @@ def test_each_clip_reaches_the_actor_loss(change):
 
 
 def test_optim_step_norm_and_reduction(monkeypatch):
-    from compactionrl_fast.train.trainer import _optim_step
+    from compactionrl_fast.train.trainer import optim_step
 
     p = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.SGD([p], lr=1.0)
-    assert _optim_step([p], opt, 1.0, None) == 0.0  # no gradients: nothing to clip
+    assert optim_step([p], opt, 1.0, None) == 0.0  # no gradients: nothing to clip
     p.grad = torch.tensor([3.0, 4.0, 0.0])
-    assert _optim_step([p], opt, None, None) == 5.0 and p.tolist() == [-3.0, -4.0, 0.0]
+    assert float(optim_step([p], opt, None, None)) == 5.0 and p.tolist() == [-3.0, -4.0, 0.0]
     w = _FakeWorld(monkeypatch)
     p.grad = torch.tensor([0.0, 0.0, 0.0])
-    assert _optim_step(iter([p]), opt, None, "g") == pytest.approx(float(torch.tensor([1.0, 2, 3]).norm()))
+    assert float(optim_step(iter([p]), opt, None, "g")) == pytest.approx(float(torch.tensor([1.0, 2, 3]).norm()))
     assert w.calls == [(torch.float32, "cpu", 3, "g")]
 
 
@@ -492,15 +500,19 @@ def test_train_step_passes_the_group_to_every_reduction(monkeypatch):
     actor, critic = tiny_models()
     train_step(make_state(_cfg(loss_reduction="segment-mean"), actor, critic, group="g"), [hand_batch()],
                diagnose=False)
-    assert groups == [("count", "g"), ("den", "g")]  # critic (token-mean), actor (segment-mean)
+    assert groups == [("den", "g"), ("den", "g")]  # critic (token-mean), actor (segment-mean): once per step
     assert len(w.calls) == 2 and all(c[3] == "g" for c in w.calls)  # the critic's and the actor's gradients
 
 
-def test_micro_batches_default_to_cpu_and_one_rollout_metrics():
+def test_micro_batches_default_to_cpu_and_one_rollout_metrics(monkeypatch):
     from types import SimpleNamespace
 
     from compactionrl_fast.rollout import Rollout
-    from compactionrl_fast.train.trainer import micro_batches, rollout_metrics
+    from compactionrl_fast.train import loop
+    from compactionrl_fast.train.log import rollout_metrics
+    from compactionrl_fast.train.loop import micro_batches
+
+    monkeypatch.setattr(loop, "layout_on", lambda b, cfg, device: b.to(device))
 
     devices = []
     pack = lambda g: SimpleNamespace(to=lambda d: devices.append(d) or d)  # noqa: E731
@@ -514,7 +526,7 @@ def test_evaluate_default_chunk_and_a_rank_without_rollouts(monkeypatch):
     from types import SimpleNamespace
 
     from compactionrl_fast.rollout import loop
-    from compactionrl_fast.train.trainer import evaluate
+    from compactionrl_fast.train.loop import evaluate
 
     sizes = []
 
@@ -530,3 +542,20 @@ def test_evaluate_default_chunk_and_a_rank_without_rollouts(monkeypatch):
     _FakeWorld(monkeypatch, rank=1)
     m, ro = evaluate(None, lambda n: [None] * n, None, cfg, 1, temperature=0.0)  # rank 1 gets no seed of 1
     assert ro == [] and m["reward"] == 1.0  # the other rank's sums (0 + 1) over its count (0 + 1)
+
+
+def test_denominators_stay_on_the_device_over_nccl(monkeypatch):
+    """Over NCCL ranks the global count is all-reduced on the training device and stays a tensor there (no
+    host read); the step takes it as the losses' denominator."""
+    from compactionrl_fast.train.layout import denominator
+
+    b = hand_batch()
+    assert denominator([b], [b.loss_mask], "token-mean") == int(b.loss_mask.sum())  # one process: an int
+    _FakeWorld(monkeypatch, backend="nccl")
+    d = denominator([b], [b.loss_mask], "token-mean", group="g", device="cpu")
+    assert isinstance(d, torch.Tensor) and d.dim() == 0 and int(d) == int(b.loss_mask.sum())
+    off = denominator([b], [torch.zeros_like(b.loss_mask)], "rollout-mean", group="g", device="cpu")
+    assert int(off) == 1  # at least 1
+    actor, critic = tiny_models()
+    m = train_step(make_state(_cfg(), actor, critic, group="g"), [b], diagnose=False)
+    assert math.isfinite(m["actor/policy_loss"]) and math.isfinite(m["critic/value_loss"])

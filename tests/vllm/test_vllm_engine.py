@@ -97,7 +97,7 @@ def test_weight_sync_takes_effect(setup):
 
 
 def test_fit_with_vllm_syncs_and_a_skipped_sync_is_caught(setup, tmp_path, monkeypatch):
-    from compactionrl_fast.train import trainer
+    from compactionrl_fast.train import loop, trainer
     from compactionrl_fast.train.model import critic_from_actor
     from compactionrl_fast.train.sync import SamplerMismatchError
 
@@ -125,7 +125,7 @@ def test_fit_with_vllm_syncs_and_a_skipped_sync_is_caught(setup, tmp_path, monke
     assert len(gaps) == 3 and max(gaps) <= 1e-3, gaps
     assert all(r["actor/grad_norm"] > 0 for r in rows if "actor/grad_norm" in r)  # the weights moved
     assert all(r["time/weight_sync_s"] > 0 for r in rows)
-    monkeypatch.setattr(trainer, "push_weights", lambda engine, actor: 0.0)
+    monkeypatch.setattr(loop, "push_weights", lambda engine, actor: 0.0)
     with pytest.raises(SamplerMismatchError, match="not synced"):
         fit()
     eng.load_weights(model.state_dict())  # the module's other tests expect the original weights

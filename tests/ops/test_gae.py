@@ -434,7 +434,7 @@ def cuda_host_lib(request, tmp_path_factory):
 
 def _route_cpp_to_cuda_host(monkeypatch, lib):
     """backend="cpp" calls the CUDA kernels on the host instead (same schema, same argument preparation)."""
-    from compactionrl_fast.ops._alloc import empty
+    from compactionrl_fast.kernels._launch import empty
 
     def segment_gae(rew, val, mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic, seg_start=None):
         assert seg_start is None, "the cuda backend reads packed segments only"

@@ -325,6 +325,7 @@ def test_segment_gae_cuda_glue_launches_and_ops(monkeypatch, name, R, per, idx, 
     at most 3 launches and at most 8 eager torch ops per call besides the outputs' allocation, counting the
     public wrapper's ops (the custom op's own dispatch excluded) and the launcher's. Both plans: few long
     rollouts (chunks) and R >= 2 * SMs rollouts (one chunk per rollout). A host read raises here."""
+    from compactionrl_fast.kernels import _launch as klaunch
     from compactionrl_fast.kernels import gae as kgae
 
     launches = []
@@ -339,7 +340,7 @@ def test_segment_gae_cuda_glue_launches_and_ops(monkeypatch, name, R, per, idx, 
     for k in ("_gae_params_kernel", "_gae_chunk_kernel", "_gae_lookback_kernel"):
         monkeypatch.setattr(kgae, k, Stub(k))
     monkeypatch.setattr(kgae, "_sm_count", lambda device: SMS)
-    monkeypatch.delenv("COMPACTIONRL_FAST_POISON", raising=False)  # the suite's NaN fill: not an op of a call
+    monkeypatch.setattr(klaunch, "POISON", False)  # the suite's NaN fill: not an op of a call
     with FakeTensorMode():
         S, T = R * per, 512 * R
         cu = torch.arange(S + 1, dtype=idx, device="cuda") * (T // S)
@@ -373,6 +374,7 @@ def test_segment_gae_cuda_glue_lookback_plan(monkeypatch):
     """The look-back plan on fake CUDA tensors: the per-segment numbers (which also zero the tile counter and
     flags), then one launch with a program per tile of LOOKBACK_TILE tokens, BLOCK tokens per step (the sizes
     tests/test_aot.py compiles); no host read, and no fill launch: the only ops are allocations."""
+    from compactionrl_fast.kernels import _launch as klaunch
     from compactionrl_fast.kernels import gae as kgae
 
     launches = []
@@ -387,7 +389,7 @@ def test_segment_gae_cuda_glue_lookback_plan(monkeypatch):
     for k in ("_gae_params_kernel", "_gae_chunk_kernel", "_gae_lookback_kernel"):
         monkeypatch.setattr(kgae, k, Stub(k))
     monkeypatch.setenv("COMPACTIONRL_FAST_GAE_PLAN", "lookback")
-    monkeypatch.delenv("COMPACTIONRL_FAST_POISON", raising=False)
+    monkeypatch.setattr(klaunch, "POISON", False)
     R, per, T = 6, 2, 6000  # 3 tiles, the last one short
     with FakeTensorMode():
         cu = torch.arange(R * per + 1, device="cuda") * (T // (R * per))

@@ -80,7 +80,7 @@ def test_fake_mode_catches_a_sync():
 def test_loss_backward_has_no_host_read_and_refuses_a_second_call():
     """The registered backward scales the saved gradient on the device (no .item() on CUDA tensors), and a
     second backward through the same graph is refused (it would rescale the gradient handed out)."""
-    from compactionrl_fast.ops._reduction import loss_backward
+    from compactionrl_fast.ops._register import loss_backward
 
     class Ctx:
         pass

@@ -40,12 +40,10 @@ MODULES = {
     "ops/value_head": ["tests/ops/fast/test_value_head.py"],
     "ops/linear_logprobs": ["tests/ops/fast/test_linear_logprobs.py"],
     "ops/_linear_logprobs_loop": ["tests/ops/fast/test_linear_logprobs.py"],
-    # the checks and the backend choice, called directly (fast; tests/ops/test_skeleton.py reaches them too,
-    # slowly); the layout and denominator checks (moved from ops/_reduction) under their tests in test_reduction.py
+    # the checks and the backend choice (with its per-op rules), called directly (fast; tests/ops/test_skeleton.py
+    # reaches them too, slowly); the layout and denominator checks (from ops/_reduction) under test_reduction.py
     "ops/_validate": ["tests/ops/test_validate.py", "tests/ops/fast/test_reduction.py"],
-    "ops/_dispatch": ["tests/ops/test_validate.py", "tests/ops/fast/test_reduction.py",
-                      "tests/ops/fast/test_linear_logprobs.py", "tests/ops/fast/test_value_head.py",
-                      "tests/ops/fast/test_gae.py"],
+    "ops/_dispatch": ["tests/ops/test_validate.py"],
     "integrations/layout": ["tests/integrations/test_layout.py", "tests/integrations/test_padded.py"],
     "integrations/verl": ["tests/integrations/test_verl.py"],
     "integrations/openrlhf": ["tests/integrations/test_openrlhf.py", "tests/integrations/test_padded.py"],

@@ -274,3 +274,10 @@ def test_op_rules():
     assert D.resolve_backend("auto", CPU, op="value_head", dtype=f32) == "torch"
     assert D.resolve_backend("auto", CPU, op="value_head", dtype=bf16) == D.resolve("auto", CPU, op="value_head")
     assert D.resolve_backend("torch", CPU, ("torch",)) == "torch"
+
+
+def test_resolve_backend_passes_the_op_and_its_facts(monkeypatch):
+    _built(monkeypatch, cpp=True, cuda_ext=True, triton=True, interpret=False)
+    assert D.resolve_backend("auto", CPU, op="linear_logprobs") == "torch"  # the op's order, not the built one
+    assert D.resolve_backend("auto", CUDA, ("cuda", "torch"), op="segment_gae") == "cuda"  # placed=False default
+    assert D.resolve_backend("auto", CUDA, ("cuda", "torch"), op="segment_gae", placed=True) == "triton"

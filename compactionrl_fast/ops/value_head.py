@@ -3,9 +3,12 @@ followed by the value loss (docs/ops.md).
 
 Backends: "triton" (kernels/value_head.py), "cpp" (csrc/cpu/value_head.cpp: row dot products, the
 backward in one pass over `hidden`) and "torch" (matmuls, in row chunks for bf16/fp16 so that no float32
-copy of `hidden` exists). All accumulate in float32 and return float32 values; triton and cpp reduce d_weight in a
-fixed order (bitwise at any thread count), torch's matmuls in MKL's (which depends on the CPU and the threads). The backward reads `hidden` once (for d_weight; d_hidden needs only the gradient and the weight),
-so the head plus loss reads `hidden` once forward and once backward.
+copy of `hidden` exists). Each backend is a pair of custom ops (value_head_fwd[_triton|_torch] and
+value_head_bwd[...]), the forward's autograd formula calling the backward. All accumulate in float32 and
+return float32 values; triton and cpp reduce d_weight in a fixed order (bitwise at any thread count),
+torch's matmuls in MKL's (which depends on the CPU and the threads). The backward reads `hidden` once (for
+d_weight; d_hidden needs only the gradient and the weight), so the head plus loss reads `hidden` once
+forward and once backward.
 """
 from __future__ import annotations
 

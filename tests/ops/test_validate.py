@@ -281,3 +281,9 @@ def test_resolve_backend_passes_the_op_and_its_facts(monkeypatch):
     assert D.resolve_backend("auto", CPU, op="linear_logprobs") == "torch"  # the op's order, not the built one
     assert D.resolve_backend("auto", CUDA, ("cuda", "torch"), op="segment_gae") == "cuda"  # placed=False default
     assert D.resolve_backend("auto", CUDA, ("cuda", "torch"), op="segment_gae", placed=True) == "triton"
+
+
+def test_check_denominator_names_its_range():
+    with pytest.raises(ValueError, match=r"^denominator must be in \[0.0, inf\], got -1.0$"):
+        V.check_denominator(-1.0, "token-mean")
+    assert V.check_denominator(float("inf"), "segment-mean") == float("inf")  # a float passes unread: inf is allowed

@@ -40,10 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from compactionrl_fast.ops._alloc import empty
-
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
-from .segments import device_guard
+from ._launch import device_guard, empty
 
 ACC = tl.float64  # coefficients, and the maps and carries that cross blocks (see the module docstring)
 TOK = tl.float32  # a block's sums and the outputs

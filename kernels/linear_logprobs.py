@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
+from ._launch import device_guard
 
 TILE = 2048  # elements per [BT, BV] block: 16 fp32 lanes per thread per accumulator at 4 warps
 # finite "minus infinity" for the running max (float32's lowest): keeps every difference finite or -inf,
@@ -116,9 +117,10 @@ def linear_logprobs_stats(x, targets, lse, logp, ent, inv_t=1.0, tile=TILE):
     want_entropy = ent is not None
     if C:
         BT, BV = tile_shape(V, tile)
-        linear_logprobs_stats_kernel[(triton.cdiv(C, BT),)](x, x.stride(0), targets, lse, logp,
-                                                            ent if want_entropy else lse, C, V, inv_t, BT=BT, BV=BV,
-                                                            ENTROPY=want_entropy)
+        with device_guard(x):
+            linear_logprobs_stats_kernel[(triton.cdiv(C, BT),)](x, x.stride(0), targets, lse, logp,
+                                                                ent if want_entropy else lse, C, V, inv_t, BT=BT,
+                                                                BV=BV, ENTROPY=want_entropy)
 
 
 def linear_logprobs_dlogits(x, targets, lse, ent, g_lp, g_ent, inv_t=1.0, tile=TILE):
@@ -132,9 +134,10 @@ def linear_logprobs_dlogits(x, targets, lse, ent, g_lp, g_ent, inv_t=1.0, tile=T
     if C:
         BT, BV = tile_shape(V, tile)
         grid = (triton.cdiv(C, BT), triton.cdiv(V, BV))
-        linear_logprobs_dlogits_kernel[grid](x, x.stride(0), targets, lse, ent if want_entropy else lse, g_lp,
-                                             g_ent if want_entropy else g_lp, C, V, inv_t, BT=BT, BV=BV,
-                                             ENTROPY=want_entropy)
+        with device_guard(x):
+            linear_logprobs_dlogits_kernel[grid](x, x.stride(0), targets, lse, ent if want_entropy else lse, g_lp,
+                                                 g_ent if want_entropy else g_lp, C, V, inv_t, BT=BT, BV=BV,
+                                                 ENTROPY=want_entropy)
     return x
 
 

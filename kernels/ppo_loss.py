@@ -4,15 +4,15 @@ finishes last (an integer ticket counts the finished programs) then adds every b
 fixed order in float64 and writes the loss and the metrics. No float atomics: results are bitwise
 deterministic, and the call is one launch.
 
-Launchers here have no autograd; compactionrl_fast/ops/ppo_loss.py wraps them in a custom op.
+The launcher runs on its tensors' device and has no autograd; compactionrl_fast/ops/ppo_loss.py registers it as
+a custom op.
 """
 import torch
 import triton
 import triton.language as tl
 
-from compactionrl_fast.ops._alloc import empty
-
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
+from ._launch import device_guard, empty
 
 N_PARTS = 8  # loss, tokens, clipped, dual, kl, ratio_max, log ratio, (1 unused: keeps rows 32-byte aligned)
 N_METRICS = 5  # clip_fraction, dual_clip_fraction, approx_kl, ratio_max, log_ratio
@@ -181,11 +181,12 @@ def ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs
     loss, metrics = empty((), device=device), empty(N_METRICS, device=device)
     part = empty(n_blocks, N_PARTS, device=device)
     ticket = torch.zeros(1, dtype=torch.int32, device=device)
-    ppo_loss_fwd_kernel[(n_blocks,)](
-        logprobs, old_logprobs, advantages, logprobs if rollout_logprobs is None else rollout_logprobs,
-        loss_mask, seg_scale if cu_seqlens is None else cu_seqlens, seg_scale, grad, part, ticket, loss, metrics, T, S,
-        search_steps(S), 1.0 - clip_low, 1.0 + clip_high, dual_clip, tis_cap,
-        HAS_TIS=rollout_logprobs is not None, PER_SEG=S > 1, NEED_GRAD=need_grad, BT=BT, FB=FINISH_BLOCKS)
+    with device_guard(logprobs):
+        ppo_loss_fwd_kernel[(n_blocks,)](
+            logprobs, old_logprobs, advantages, logprobs if rollout_logprobs is None else rollout_logprobs,
+            loss_mask, seg_scale if cu_seqlens is None else cu_seqlens, seg_scale, grad, part, ticket, loss, metrics,
+            T, S, search_steps(S), 1.0 - clip_low, 1.0 + clip_high, dual_clip, tis_cap,
+            HAS_TIS=rollout_logprobs is not None, PER_SEG=S > 1, NEED_GRAD=need_grad, BT=BT, FB=FINISH_BLOCKS)
     return loss, metrics, grad
 
 

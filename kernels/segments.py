@@ -1,16 +1,15 @@
 """Triton kernels for per-segment metadata over packed tokens: trainable-token counts.
 
 Offsets are clamped to [0, T] and a segment that ends before it starts counts 0, so bad `cu_seqlens`
-(unchecked on CUDA, see compactionrl_fast/ops/_validate.py) give wrong counts, never a bad access.
+(unchecked on CUDA by default) give wrong counts, never a bad access.
 """
-import contextlib
-
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
+from ._launch import device_guard
 
 BLOCK = 1024  # mask bytes per loop step on GPU
 INTERPRET_BLOCK = 1 << 16  # the interpreter pays per operation, not per element
@@ -29,11 +28,6 @@ def _segment_counts_kernel(mask_ptr, cu_ptr, counts_ptr, T, BLOCK: tl.constexpr)
         o_t = lo + i_b * BLOCK + o_b
         acc += tl.load(mask_ptr + o_t, mask=o_t < hi, other=0).to(tl.int64)
     tl.store(counts_ptr + s, tl.sum(acc, 0))
-
-
-def device_guard(t):
-    """Launch on `t`'s device, not the current one (a no-op for CPU tensors under the interpreter)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def segment_counts(loss_mask, cu_seqlens):

@@ -3,15 +3,15 @@ accumulation for bf16/fp16/fp32 hidden, and its backward, which reads `hidden` o
 d_hidden and d_weight. d_weight is reduced deterministically: a fixed grid of programs writes per-program
 partial rows [P, H], which a second pass adds in program order (no float atomics).
 
-Launchers here have no autograd; compactionrl_fast/ops/value_head.py wraps them.
+The launchers run on their tensors' device and have no autograd; compactionrl_fast/ops/value_head.py registers
+them as custom ops.
 """
 import torch
 import triton
 import triton.language as tl
 
-from compactionrl_fast.ops._alloc import empty
-
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
+from ._launch import device_guard, empty
 
 MAX_PROGRAMS = 256  # row-block programs of the backward; fixed, so the d_weight sum order is too
 
@@ -71,8 +71,9 @@ def value_head_fwd(hidden, weight, bias, BT=32, BH=128):
     T, H = hidden.shape
     out = empty(T, device=hidden.device)
     if T:
-        value_head_fwd_kernel[(triton.cdiv(T, BT),)](hidden, weight, weight if bias is None else bias, out, T, H,
-                                                     hidden.stride(0), HAS_BIAS=bias is not None, BT=BT, BH=BH)
+        with device_guard(hidden):
+            value_head_fwd_kernel[(triton.cdiv(T, BT),)](hidden, weight, weight if bias is None else bias, out, T, H,
+                                                         hidden.stride(0), HAS_BIAS=bias is not None, BT=BT, BH=BH)
     return out
 
 
@@ -85,9 +86,10 @@ def value_head_bwd(hidden, weight, grad, need_dh=True, need_dw=True, BT=32, BH=1
     dh = empty(T, H, dtype=hidden.dtype, device=hidden.device) if need_dh else None
     part = empty(n_prog, H, device=hidden.device) if need_dw else None
     if T and (need_dh or need_dw):
-        value_head_bwd_kernel[(n_prog, triton.cdiv(H, BH))](
-            hidden, weight, grad, hidden if dh is None else dh, grad if part is None else part, T, H,
-            hidden.stride(0), n_blocks, NEED_DH=need_dh, NEED_DW=need_dw, BT=BT, BH=BH)
+        with device_guard(hidden):
+            value_head_bwd_kernel[(n_prog, triton.cdiv(H, BH))](
+                hidden, weight, grad, hidden if dh is None else dh, grad if part is None else part, T, H,
+                hidden.stride(0), n_blocks, NEED_DH=need_dh, NEED_DW=need_dw, BT=BT, BH=BH)
     dw = None
     if need_dw:
         dw = part.sum(0) if T else torch.zeros(H, device=hidden.device)

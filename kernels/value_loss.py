@@ -5,15 +5,15 @@ bitwise deterministic, one launch; see `last_program` in kernels/ppo_loss.py).
 
 The explained variance is combined from per-block (count, sum, sum of squared deviations from the block
 mean) (Chan et al.), so a large mean of the returns does not cancel the variance away.
-Launchers here have no autograd; compactionrl_fast/ops/value_loss.py wraps them in a custom op.
+The launcher runs on its tensors' device and has no autograd; compactionrl_fast/ops/value_loss.py registers it as
+a custom op.
 """
 import torch
 import triton
 import triton.language as tl
 
-from compactionrl_fast.ops._alloc import empty
-
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
+from ._launch import device_guard, empty
 
 from .ppo_loss import FINISH_BLOCKS, last_program, load_col, search_steps, segment_scale, weight_scale
 
@@ -130,10 +130,11 @@ def value_loss_fwd(values, old_values, returns, loss_mask, cu_seqlens, seg_scale
     loss, metrics = empty((), device=device), empty(3, device=device)
     part = empty(n_blocks, N_PARTS, device=device)
     ticket = torch.zeros(1, dtype=torch.int32, device=device)
-    value_loss_fwd_kernel[(n_blocks,)](
-        values, old_values, returns, loss_mask, seg_scale if cu_seqlens is None else cu_seqlens, seg_scale,
-        grad, part, ticket, loss, metrics, T, S, search_steps(S), max(clip, 0.0), USE_CLIP=clip >= 0, PER_SEG=S > 1,
-        NEED_GRAD=need_grad, BT=BT, FB=FINISH_BLOCKS, num_warps=NUM_WARPS)
+    with device_guard(values):
+        value_loss_fwd_kernel[(n_blocks,)](
+            values, old_values, returns, loss_mask, seg_scale if cu_seqlens is None else cu_seqlens, seg_scale,
+            grad, part, ticket, loss, metrics, T, S, search_steps(S), max(clip, 0.0), USE_CLIP=clip >= 0,
+            PER_SEG=S > 1, NEED_GRAD=need_grad, BT=BT, FB=FINISH_BLOCKS, num_warps=NUM_WARPS)
     return loss, metrics, grad
 
 

@@ -31,12 +31,17 @@ MODULES = {
     "ops/gae": ["tests/ops/test_gae.py", "-m", "not slow"],
     "ops/_reduction": ["tests/ops/test_reduction.py", "tests/ops/test_ppo_loss.py", "tests/ops/test_value_loss.py",
                        "-m", "not slow"],
+    "ops/denominator": ["tests/ops/test_reduction.py", "-m", "not slow"],
+    "ops/_register": ["tests/ops/test_reduction.py", "tests/ops/test_ppo_loss.py", "tests/ops/test_value_loss.py",
+                      "tests/ops/test_value_head.py", "-m", "not slow"],
     "ops/ppo_loss": ["tests/ops/test_ppo_loss.py", "-m", "not slow"],
     "ops/value_loss": ["tests/ops/test_value_loss.py", "-m", "not slow"],
     "ops/value_head": ["tests/ops/test_value_head.py", "-m", "not slow"],
     "ops/linear_logprobs": ["tests/ops/test_linear_logprobs.py", "-m", "not slow"],
-    # the checks and the backend choice, called directly (fast; the op tests reach them too, slowly)
-    "ops/_validate": ["tests/ops/test_validate.py"],
+    "ops/_linear_logprobs_loop": ["tests/ops/test_linear_logprobs.py", "-m", "not slow"],
+    # the checks and the backend choice (with its per-op rules), called directly (fast; the op tests reach them
+    # too, slowly); the layout and denominator checks under test_reduction.py
+    "ops/_validate": ["tests/ops/test_validate.py", "tests/ops/test_reduction.py", "-m", "not slow"],
     "ops/_dispatch": ["tests/ops/test_validate.py"],
     "integrations/layout": ["tests/integrations/test_layout.py", "tests/integrations/test_padded.py"],
     "integrations/verl": ["tests/integrations/test_verl.py"],

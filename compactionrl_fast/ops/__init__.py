@@ -1,9 +1,10 @@
-"""Public ops (one file each) with validation and backend dispatch."""
+"""Public ops, one file each (docs/adding-an-op.md), on the shared skeleton: _validate (input checks),
+_dispatch (backend choice), _register (custom op + fake + autograd)."""
 from . import _dispatch
-from ._alloc import output_cache
+from .denominator import global_denominator, global_token_count
 from .gae import place_final_rewards, segment_gae
 from .linear_logprobs import linear_logprobs, linear_logprobs_loss
-from ._reduction import global_denominator, global_token_count
+from .output_cache import output_cache
 from .ppo_loss import ppo_policy_loss
 from .value_head import value_head, value_head_loss
 from .value_loss import value_loss

@@ -1,8 +1,10 @@
-"""Backend discovery and choice. `backend="auto"` picks the fastest backend built for the device.
+"""Backend discovery and choice: the one place where an op's backend is picked.
 
-CUDA tensors: triton > cuda > torch.  CPU tensors: cpp > torch.  The Triton kernels run on CPU tensors
-only under the Triton interpreter (TRITON_INTERPRET=1, set before triton is imported); that is how
-they are tested on machines without a GPU.
+`TABLE` lists each op's backends, fastest first per device type; `available` filters them by what is built
+and importable; `resolve_backend` (what every public function calls) applies the table, the
+COMPACTIONRL_FAST_BACKEND override and the few per-op rules (`_op_rule`). CUDA tensors: triton > cuda >
+torch. CPU tensors: cpp > torch. The Triton kernels run on CPU tensors only under the Triton interpreter
+(TRITON_INTERPRET=1, set before triton is imported); that is how they are tested without a GPU.
 """
 from __future__ import annotations
 
@@ -108,3 +110,31 @@ def resolve(backend: str, device: torch.device, supported=BACKENDS, op: str | No
     if backend not in supported or backend not in order:
         why = f"this op has no {backend} backend"
     raise ValueError(f"backend={backend!r} is not available for {device.type} tensors: {why}")
+
+
+def _op_rule(op, asked, b, device_type, dtype, placed):
+    """The per-op exceptions to the table, given the backend `b` that `resolve` picked for `asked`."""
+    if op == "value_head" and asked == "auto" and device_type == "cpu":
+        # float32: BLAS gemv beats the C++ loop; half precision: the C++ loop (no float32 copy). The Triton
+        # interpreter is for tests only.
+        return "cpp" if b == "cpp" and dtype != torch.float32 else "torch"
+    if op == "linear_logprobs" and b == "triton" and device_type != "cuda" and dtype != torch.float32:
+        raise ValueError("backend='triton' on CPU tensors (the Triton interpreter) supports float32 only: the "
+                         "interpreter's bf16/fp16 arithmetic is unreliable; use backend='torch'")
+    if op == "segment_gae" and b == "cuda" and placed:
+        if asked == "cuda":
+            raise ValueError("seg_start (placed segments) is not supported by the cuda backend: use backend='triton'")
+        return "triton"
+    return b
+
+
+@torch._dynamo.assume_constant_result
+def _resolve(backend: str, device_type: str, supported: tuple, op) -> str:
+    return resolve(backend, torch.device(device_type), supported, op)
+
+
+def resolve_backend(backend, device, supported=BACKENDS, op=None, *, dtype=None, placed=False):
+    """`resolve` (seen by torch.compile as a constant: it imports modules and reads the environment, which
+    dynamo will not trace), then the op's rule (`dtype`: its main input's; `placed`: segment_gae's seg_start
+    given)."""
+    return _op_rule(op, backend, _resolve(backend, device.type, tuple(supported), op), device.type, dtype, placed)

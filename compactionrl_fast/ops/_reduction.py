@@ -16,92 +16,38 @@ exactly the full-batch loss and gradient, provided no segment ("segment-mean") o
 ("rollout-mean") is split across micro-batches. A zero D (nothing trainable anywhere) gives weight 0.
 
 Everything here is tensor arithmetic on [S] or [R] (no host sync), so it traces under torch.compile.
-A negative or NaN tensor denominator is an error where its value can be read without a sync (CPU), and
-makes the loss NaN elsewhere (never a silent 0).
+A negative or NaN tensor denominator is an error where its value can be read without a sync (CPU,
+`check_denominator` in ops/_validate.py), and makes the loss NaN elsewhere (never a silent 0). The global
+counts are in ops/denominator.py.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+from torch import Tensor
 
 from . import _dispatch
-from ._validate import check_choice, check_float, check_offsets, check_tensor, value_checks
+from ._register import register_op
 
 REDUCTIONS = ("token-mean", "segment-mean", "rollout-mean", "sum")
 
 
-def check_layout(loss_mask, cu_seqlens, cu_segments):
-    """Validate `cu_seqlens`/`cu_segments` against `loss_mask` [T]; returns cu_segments in cu_seqlens' dtype.
-
-    Dtype, shape and device are always checked; the offsets' values only where `value_checks` allows
-    (CPU by default: no host sync on CUDA, no data-dependent branch under torch.compile). The kernels
-    clamp offsets, so unchecked bad offsets give wrong numbers, never an out-of-bounds access.
-    """
-    T, device = loss_mask.numel(), loss_mask.device
-    if cu_seqlens is None:
-        if cu_segments is not None:
-            raise ValueError("cu_segments needs cu_seqlens (the segments it groups)")
-        return None
-    # the type first: a list (or anything else) is a TypeError that names the argument
-    check_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
-    if cu_segments is not None:
-        check_tensor("cu_segments", cu_segments, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
-    read = value_checks(cu_seqlens)
-    if read:
-        check_offsets("cu_seqlens", cu_seqlens, total=T, device=device)
-    elif cu_seqlens.numel() < 1:
-        raise ValueError("cu_seqlens must have at least one element (offsets [S+1])")
-    if cu_segments is None:
-        return None
-    S = cu_seqlens.numel() - 1
-    check_tensor("cu_segments", cu_segments, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
-    if read:
-        check_offsets("cu_segments", cu_segments, total=S, device=device, total_name="S (number of segments)")
-    elif cu_segments.numel() < 1:
-        raise ValueError("cu_segments must have at least one element (offsets [R+1])")
-    return cu_segments.to(cu_seqlens.dtype)
+# ---------------------------------------------------------------- ops: (loss_mask [T], cu_seqlens [S+1]) -> int64 [S]
 
 
-def check_denominator(denominator, reduction, device=None):
-    """A number >= 0 (a Python float: no host-device copy), a one-element tensor on the data's device
-    (read by the kernels: no sync, no recompiles), or None."""
-    if denominator is None:
-        return None
-    if reduction == "sum":
-        raise ValueError("denominator has no meaning with reduction='sum' (the sum is not divided)")
-    if isinstance(denominator, torch.Tensor):
-        if denominator.numel() != 1:
-            raise ValueError(f"denominator must be a number or a one-element tensor, got shape "
-                             f"{tuple(denominator.shape)}")
-        if device is not None and denominator.device != device:
-            raise ValueError(f"denominator is on {denominator.device}, expected {device} (the loss_mask's device)")
-        if denominator.dtype == torch.bool or denominator.is_complex():
-            raise TypeError(f"denominator must be a real number tensor, got {denominator.dtype}")
-        if value_checks(denominator):
-            d = float(denominator.detach().reshape(()))
-            if not d >= 0.0 or d == float("inf"):
-                raise ValueError(f"denominator must be a finite number >= 0, got {d}")
-        return denominator.reshape(())
-    return check_float("denominator", denominator, 0.0, float("inf"))
+def _segment_counts_fake(loss_mask, cu_seqlens):
+    return cu_seqlens.new_empty(cu_seqlens.shape[0] - 1, dtype=torch.int64)
 
 
-@torch._dynamo.assume_constant_result
-def _resolve(backend: str, device_type: str, supported: tuple, op) -> str:
-    return _dispatch.resolve(backend, torch.device(device_type), supported, op)
+def _segment_counts_triton(loss_mask: Tensor, cu_seqlens: Tensor) -> Tensor:
+    from ..kernels.segments import segment_counts as launch
+
+    return launch(loss_mask, cu_seqlens)
 
 
-def resolve_backend(backend, device, supported=_dispatch.BACKENDS, op=None):
-    """`_dispatch.resolve`, seen by torch.compile as a constant (it imports modules and reads the
-    environment, which dynamo will not trace)."""
-    return _resolve(backend, device.type, tuple(supported), op)
-
-
-_CPP_COUNTS = _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "segment_counts")
-if _CPP_COUNTS:
-    @torch.library.register_fake("compactionrl_fast::segment_counts")
-    def _segment_counts_fake(loss_mask, cu_seqlens):
-        return cu_seqlens.new_empty(cu_seqlens.shape[0] - 1, dtype=torch.int64)
+_CPP_COUNTS = register_op("segment_counts", _segment_counts_fake)
+register_op("segment_counts_triton", _segment_counts_fake, _segment_counts_triton)
 
 
 def segment_counts(loss_mask, cu_seqlens):
@@ -115,19 +61,7 @@ def segment_counts(loss_mask, cu_seqlens):
     return csum[cu_seqlens.long().clamp(0, loss_mask.numel())].diff()
 
 
-@torch.library.custom_op("compactionrl_fast::segment_counts_triton", mutates_args=())
-def _segment_counts_triton(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    from ..kernels.segments import segment_counts as launch
-
-    return launch(loss_mask, cu_seqlens)
-
-
-@_segment_counts_triton.register_fake
-def _(loss_mask, cu_seqlens):
-    return cu_seqlens.new_empty(cu_seqlens.shape[0] - 1, dtype=torch.int64)
-
-
-def _unit_counts(loss_mask, cu_seqlens, cu_segments, reduction):
+def unit_counts(loss_mask, cu_seqlens, cu_segments, reduction):
     """(n [S]: trainable tokens of each segment's averaging unit, D: units with a trainable token).
 
     The unit is the whole batch ("token-mean", and D counts tokens), the segment or the rollout.
@@ -161,8 +95,10 @@ def _inverse_denominator(d):
     return torch.where(d > 0, d.reciprocal(), torch.where(d == 0, 0.0, float("nan")))
 
 
+# ---------------------------------------------------------------- ops: (loss_mask [T], cu_seqlens [S+1]?,
+# cu_segments [R+1]?, reduction code, den (< 0: none), den_t []?) -> float64 [S] ([1] without cu_seqlens)
+
 _CODES = {"token-mean": 0, "segment-mean": 1, "rollout-mean": 2, "sum": 3}
-_CPP_WEIGHTS = _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "segment_weights")
 
 
 def _segment_weights_fake(loss_mask, cu_seqlens, cu_segments, reduction, den, den_t):
@@ -170,11 +106,6 @@ def _segment_weights_fake(loss_mask, cu_seqlens, cu_segments, reduction, den, de
     return loss_mask.new_empty(S, dtype=torch.float64)
 
 
-if _CPP_WEIGHTS:
-    torch.library.register_fake("compactionrl_fast::segment_weights", _segment_weights_fake)
-
-
-@torch.library.custom_op("compactionrl_fast::segment_weights_triton", mutates_args=())
 def _segment_weights_triton(loss_mask: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
                             cu_segments: Optional[torch.Tensor], reduction: int, den: float,
                             den_t: Optional[torch.Tensor]) -> torch.Tensor:
@@ -192,7 +123,11 @@ def _segment_weights_triton(loss_mask: torch.Tensor, cu_seqlens: Optional[torch.
     return launch(counts, cu_segments, reduction, den_t if den_t is not None else (den if given else None))
 
 
-torch.library.register_fake("compactionrl_fast::segment_weights_triton", _segment_weights_fake)
+_CPP_WEIGHTS = register_op("segment_weights", _segment_weights_fake)
+register_op("segment_weights_triton", _segment_weights_fake, _segment_weights_triton)
+
+
+# ---------------------------------------------------------------- the weights, by backend
 
 
 def segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator=None, backend=None):
@@ -224,78 +159,10 @@ def segment_weights_torch(loss_mask, cu_seqlens, cu_segments, reduction, denomin
         if isinstance(inv, float):
             return torch.full((S,), inv, dtype=torch.float64, device=device)
         return inv.reshape(1).repeat(S)
-    n, d = _unit_counts(loss_mask, cu_seqlens, cu_segments, reduction)
+    n, d = unit_counts(loss_mask, cu_seqlens, cu_segments, reduction)
     inv_d = _inverse(d) if denominator is None else _inverse_denominator(denominator)
     if reduction == "token-mean":
         return inv_d.reshape(1).repeat(S)
     return _inverse(n) * inv_d
 
 
-def global_denominator(reduction, loss_mask, *, cu_seqlens=None, cu_segments=None, group=None,
-                       as_tensor=False):
-    """The denominator D of `reduction` summed over the ranks of `group` (all-reduce when
-    torch.distributed is initialised): trainable tokens ("token-mean"), segments with a trainable token
-    ("segment-mean") or rollouts with a trainable token ("rollout-mean") of this rank's full batch.
-
-    Pass it as `denominator=` to the loss of every micro-batch on every rank: the summed gradients then
-    equal those of the global batch. Returns a Python int (a host sync on CUDA), or with
-    `as_tensor=True` an int64 [] tensor on the mask's device (no sync; the loss kernels read it there).
-    """
-    check_choice("reduction", reduction, REDUCTIONS[:3])
-    check_tensor("loss_mask", loss_mask, dtypes=(torch.bool,), ndim=1)
-    if loss_mask.device.type == "meta" and not as_tensor:
-        raise ValueError("loss_mask is on the meta device, which holds no values: a Python int count needs real "
-                         "data (pass as_tensor=True for a meta tensor)")
-    cu_segments = check_layout(loss_mask, cu_seqlens, cu_segments)
-    _, count = _unit_counts(loss_mask, cu_seqlens, cu_segments, reduction)
-    count = count.to(torch.int64).reshape(1)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(count, group=group)
-    return count.reshape(()) if as_tensor else int(count.item())
-
-
-def global_token_count(loss_mask, group=None, *, as_tensor=False):
-    """Trainable tokens in `loss_mask` [T] bool, summed over the ranks of `group` (an all-reduce when
-    torch.distributed is initialised). The `denominator` of "token-mean" for gradient accumulation.
-    `as_tensor=True` returns an int64 [] tensor on the mask's device instead of an int (no host sync).
-
-    Example:
-        >>> import torch, compactionrl_fast as crf
-        >>> crf.global_token_count(torch.tensor([True, False, True]))
-        2
-    """
-    return global_denominator("token-mean", loss_mask, group=group, as_tensor=as_tensor)
-
-
-def loss_backward(name: str, n_inputs: int):
-    """The backward of a loss op `name` (see `register_loss_op`): d input-0 = saved grad * d_loss."""
-    none = (None,) * (n_inputs - 1)
-
-    def backward(ctx, d_loss, d_metrics, d_grad):
-        # The saved buffer becomes the input's gradient (fwd+bwd allocate one [T] buffer in all). It is
-        # handed out once: a second backward through the same graph (retain_graph=True) would have to
-        # scale the buffer the first one returned, so it is refused instead.
-        if getattr(ctx, "grad_handed_out", False):
-            raise RuntimeError(f"{name}: a second backward through the same loss is not supported (the first "
-                               "backward handed out its gradient buffer); compute the loss again, or use "
-                               "backend='torch'")
-        ctx.grad_handed_out = True
-        (grad,) = ctx.saved_tensors
-        if type(d_loss) is torch.Tensor and d_loss.device.type == "cpu" and not torch.compiler.is_compiling() \
-                and d_loss.item() == 1.0:
-            return (grad,) + none  # loss.backward() in eager mode on CPU: skip a pass over [T] (no sync there)
-        return (grad.mul_(d_loss),) + none
-
-    return backward
-
-
-def register_loss_op(name: str, fake, n_inputs: int) -> None:
-    """Fake impl and autograd of a loss op `name` returning (loss [], metrics [k], grad [T] or [0]), where the
-    kernel already wrote d loss / d input-0 into `grad` (the other `n_inputs - 1` inputs get no gradient)."""
-
-    def setup_context(ctx, inputs, output):
-        ctx.set_materialize_grads(False)  # no zero [T] gradient for the unused `grad` output
-        ctx.save_for_backward(output[2])
-
-    torch.library.register_fake(name, fake)
-    torch.library.register_autograd(name, loss_backward(name, n_inputs), setup_context=setup_context)

@@ -1,5 +1,8 @@
 """Input checks shared by every op. Each raises ValueError/TypeError naming the argument.
 
+The generic checks (a tensor's dtype/shape/device, offsets, floats, choices), then the two that the loss
+and GAE ops share: the packed layout (`check_layout`) and a loss denominator (`check_denominator`).
+
 Checks that read device values (offsets, targets) cost a host sync on CUDA. COMPACTIONRL_FAST_CHECKS
 decides which run: "auto" (default) runs them on CPU tensors only (no sync there) and never while
 torch.compile traces; "1" runs them everywhere (syncs allowed: debugging); "0" runs none. Checks of
@@ -102,3 +105,57 @@ def check_choice(name, x, choices):
     if x not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {x!r}")
     return x
+
+
+def check_layout(loss_mask, cu_seqlens, cu_segments):
+    """Validate `cu_seqlens`/`cu_segments` against `loss_mask` [T]; returns cu_segments in cu_seqlens' dtype.
+
+    Dtype, shape and device are always checked; the offsets' values only where `value_checks` allows
+    (CPU by default: no host sync on CUDA, no data-dependent branch under torch.compile). The kernels
+    clamp offsets, so unchecked bad offsets give wrong numbers, never an out-of-bounds access.
+    """
+    T, device = loss_mask.numel(), loss_mask.device
+    if cu_seqlens is None:
+        if cu_segments is not None:
+            raise ValueError("cu_segments needs cu_seqlens (the segments it groups)")
+        return None
+    # the type first: a list (or anything else) is a TypeError that names the argument
+    check_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
+    if cu_segments is not None:
+        check_tensor("cu_segments", cu_segments, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
+    read = value_checks(cu_seqlens)
+    if read:
+        check_offsets("cu_seqlens", cu_seqlens, total=T, device=device)
+    elif cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must have at least one element (offsets [S+1])")
+    if cu_segments is None:
+        return None
+    S = cu_seqlens.numel() - 1
+    if read:
+        check_offsets("cu_segments", cu_segments, total=S, device=device, total_name="S (number of segments)")
+    elif cu_segments.numel() < 1:
+        raise ValueError("cu_segments must have at least one element (offsets [R+1])")
+    return cu_segments.to(cu_seqlens.dtype)
+
+
+def check_denominator(denominator, reduction, device=None):
+    """A number >= 0 (a Python float: no host-device copy), a one-element tensor on the data's device
+    (read by the kernels: no sync, no recompiles), or None."""
+    if denominator is None:
+        return None
+    if reduction == "sum":
+        raise ValueError("denominator has no meaning with reduction='sum' (the sum is not divided)")
+    if isinstance(denominator, torch.Tensor):
+        if denominator.numel() != 1:
+            raise ValueError(f"denominator must be a number or a one-element tensor, got shape "
+                             f"{tuple(denominator.shape)}")
+        if device is not None and denominator.device != device:
+            raise ValueError(f"denominator is on {denominator.device}, expected {device} (the loss_mask's device)")
+        if denominator.dtype == torch.bool or denominator.is_complex():
+            raise TypeError(f"denominator must be a real number tensor, got {denominator.dtype}")
+        if value_checks(denominator):
+            d = float(denominator.detach().reshape(()))
+            if not d >= 0.0 or d == float("inf"):
+                raise ValueError(f"denominator must be a finite number >= 0, got {d}")
+        return denominator.reshape(())
+    return check_float("denominator", denominator, 0.0, float("inf"))

@@ -14,8 +14,9 @@ import torch
 from torch import Tensor
 
 from ..reference import gae as ref
-from ._reduction import check_layout, resolve_backend
-from ._validate import FLOAT_DTYPES, check_choice, check_float, check_tensor, value_checks
+from ._dispatch import resolve_backend
+from ._register import register_op
+from ._validate import FLOAT_DTYPES, check_choice, check_float, check_layout, check_tensor, value_checks
 
 CROSS_MODES = {"none": 0, "paper": 1, "stitched": 2}
 LAM_CONST, LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT, LAM_TENSOR = 0, 1, 2, 3
@@ -51,7 +52,6 @@ def _gae_fake(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamm
     return rewards.new_empty(T, dtype=torch.float32), rewards.new_empty(T, dtype=torch.float32)
 
 
-@torch.library.custom_op("compactionrl_fast::segment_gae_triton", mutates_args=())
 def _gae_triton(rewards: Tensor, values: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, cu_segments: Tensor,
                 lam_seg: Optional[Tensor], gamma: float, lam: float, lam_mode: int, alpha: float, cross: int,
                 lam_critic: float, seg_start: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -61,19 +61,9 @@ def _gae_triton(rewards: Tensor, values: Tensor, loss_mask: Tensor, cu_seqlens: 
                            alpha, cross, lam_critic, seg_start)
 
 
-torch.library.register_fake("compactionrl_fast::segment_gae_triton", _gae_fake)
-
-
-def _register_cpp_fake():
-    from . import _dispatch
-
-    if _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "segment_gae"):
-        torch.library.register_fake("compactionrl_fast::segment_gae", _gae_fake)
-    if _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "segment_gae_serial"):
-        torch.library.register_fake("compactionrl_fast::segment_gae_serial", _gae_fake)
-
-
-_register_cpp_fake()
+register_op("segment_gae_triton", _gae_fake, _gae_triton)
+register_op("segment_gae", _gae_fake)  # the C++ op (csrc/), where built
+register_op("segment_gae_serial", _gae_fake)  # the C++ serial scan (benchmarks), where built
 
 
 def _check_starts(seg_start, cu_seqlens, T, device):
@@ -164,11 +154,7 @@ def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gam
 
     if seg_start is not None:
         seg_start = _check_starts(seg_start, cu_seqlens, loss_mask.numel(), device)
-    b = resolve_backend(backend, device, op="segment_gae")
-    if b == "cuda" and seg_start is not None:
-        if backend == "cuda":
-            raise ValueError("seg_start (placed segments) is not supported by the cuda backend: use backend='triton'")
-        b = "triton"
+    b = resolve_backend(backend, device, op="segment_gae", placed=seg_start is not None)
     rewards, values = rewards.detach().float().contiguous(), values.detach().float().contiguous()
     if b == "torch" and seg_start is not None:  # the reference on the gathered logical order
         idx = _placed_index(seg_start, cu_seqlens)
@@ -211,7 +197,6 @@ def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None
                                                            mode == "stitched")
 
 
-@torch.library.custom_op("compactionrl_fast::place_final_rewards", mutates_args=())
 def _place_final_rewards(rollout_rewards: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, cu_segments: Tensor,
                          stitched: bool) -> Tensor:
     # Offsets are clamped and searched, never trusted as indices: bad offsets misplace rewards, nothing more.
@@ -233,6 +218,8 @@ def _place_final_rewards(rollout_rewards: Tensor, loss_mask: Tensor, cu_seqlens:
     return out[:T]
 
 
-@_place_final_rewards.register_fake
-def _(rollout_rewards, loss_mask, cu_seqlens, cu_segments, stitched):
+def _place_fake(rollout_rewards, loss_mask, cu_seqlens, cu_segments, stitched):
     return rollout_rewards.new_empty(loss_mask.shape[0], dtype=torch.float32)
+
+
+register_op("place_final_rewards", _place_fake, _place_final_rewards)

@@ -15,9 +15,10 @@ import torch
 from torch import Tensor
 
 from ..reference import losses as ref
-from . import _dispatch, _reduction
-from ._reduction import REDUCTIONS, check_denominator, check_layout, resolve_backend, segment_weights
-from ._validate import FLOAT_DTYPES, check_choice, check_float, check_tensor
+from ._dispatch import resolve_backend
+from ._reduction import REDUCTIONS, segment_weights
+from ._register import loss_autograd, register_op
+from ._validate import FLOAT_DTYPES, check_choice, check_denominator, check_float, check_layout, check_tensor
 
 METRICS = ("clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_max", "log_ratio")
 INF = float("inf")
@@ -37,26 +38,18 @@ def _fake(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_se
     return (logprobs.new_empty(()), logprobs.new_empty(len(METRICS)), logprobs.new_empty(T if need_grad else 0))
 
 
-@torch.library.custom_op("compactionrl_fast::ppo_policy_loss_triton", mutates_args=())
 def _triton_op(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
                rollout_logprobs: Optional[Tensor], cu_seqlens: Optional[Tensor], seg_scale: Tensor,
                clip_low: float, clip_high: float, dual_clip: float, tis_cap: float,
                need_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     from ..kernels.ppo_loss import ppo_loss_fwd
-    from ..kernels.segments import device_guard
 
-    with device_guard(logprobs):  # launch on the tensors' device, not the current one
-        return ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale,
-                            clip_low, clip_high, dual_clip, tis_cap, need_grad)
+    return ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale,
+                        clip_low, clip_high, dual_clip, tis_cap, need_grad)
 
 
-def _register(name):
-    _reduction.register_loss_op(name, _fake, 12)
-
-
-_register("compactionrl_fast::ppo_policy_loss_triton")
-if _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "ppo_policy_loss"):  # not in a stale build
-    _register("compactionrl_fast::ppo_policy_loss")
+register_op("ppo_policy_loss_triton", _fake, _triton_op, **loss_autograd("ppo_policy_loss_triton", 12))
+register_op("ppo_policy_loss", _fake, **loss_autograd("ppo_policy_loss", 12))  # the C++ op (csrc/), where built
 
 
 # ---------------------------------------------------------------- public function

@@ -3,18 +3,22 @@ followed by the value loss (docs/ops.md).
 
 Backends: "triton" (kernels/value_head.py), "cpp" (csrc/cpu/value_head.cpp: row dot products, the
 backward in one pass over `hidden`) and "torch" (matmuls, in row chunks for bf16/fp16 so that no float32
-copy of `hidden` exists). All accumulate in float32 and return float32 values; triton and cpp reduce d_weight in a
-fixed order (bitwise at any thread count), torch's matmuls in MKL's (which depends on the CPU and the threads). The backward reads `hidden` once (for d_weight; d_hidden needs only the gradient and the weight),
-so the head plus loss reads `hidden` once forward and once backward.
+copy of `hidden` exists). Each backend is a pair of custom ops (value_head_fwd[_triton|_torch] and
+value_head_bwd[...]), the forward's autograd formula calling the backward. All accumulate in float32 and
+return float32 values; triton and cpp reduce d_weight in a fixed order (bitwise at any thread count),
+torch's matmuls in MKL's (which depends on the CPU and the threads). The backward reads `hidden` once (for
+d_weight; d_hidden needs only the gradient and the weight), so the head plus loss reads `hidden` once
+forward and once backward.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+from torch import Tensor
 
-from . import _dispatch
-from ._reduction import resolve_backend
+from ._dispatch import resolve_backend
+from ._register import register_op
 from ._validate import check_tensor
 from .value_loss import value_loss
 
@@ -75,79 +79,71 @@ def _torch_bwd(hidden, w32, g, need_dh, need_dw):
     return dh, dw
 
 
-if _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "value_head_fwd"):
-    @torch.library.register_fake("compactionrl_fast::value_head_fwd")
-    def _fwd_fake(hidden, weight, bias):
-        return weight.new_empty(hidden.shape[0])
-
-    @torch.library.register_fake("compactionrl_fast::value_head_bwd")
-    def _bwd_fake(hidden, weight, grad, need_dh, need_dw):
-        return (hidden.new_empty(hidden.shape if need_dh else (0,)), weight.new_empty(weight.shape if need_dw else (0,)))
+# ---------------------------------------------------------------- custom ops, one pair per backend
+# fwd: (hidden [T, H], weight float32 [H], bias float32 [] or None) -> float32 [T]
+# bwd: (hidden, weight, grad float32 [T], need_dh, need_dw) -> (d_hidden [T, H] or [0], d_weight float32 [H] or [0])
+# The C++ pair comes from csrc/; the Triton pair wraps kernels/value_head.py; the torch pair is above.
 
 
-@torch.library.custom_op("compactionrl_fast::value_head_fwd_triton", mutates_args=())
-def _triton_fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    from ..kernels.segments import device_guard
-    from ..kernels.value_head import value_head_fwd
-
-    with device_guard(hidden):
-        return value_head_fwd(hidden, weight, bias)
-
-
-@_triton_fwd.register_fake
-def _(hidden, weight, bias):
+def _fwd_fake(hidden, weight, bias):
     return weight.new_empty(hidden.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("compactionrl_fast::value_head_bwd_triton", mutates_args=())
-def _triton_bwd(hidden: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, need_dh: bool,
-                need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from ..kernels.segments import device_guard
-    from ..kernels.value_head import value_head_bwd
-
-    with device_guard(hidden):
-        dh, dw = value_head_bwd(hidden, weight, grad, need_dh, need_dw)
-    return (hidden.new_empty(0) if dh is None else dh), (weight.new_empty(0) if dw is None else dw)
-
-
-@_triton_bwd.register_fake
-def _(hidden, weight, grad, need_dh, need_dw):
+def _bwd_fake(hidden, weight, grad, need_dh, need_dw):
     return (hidden.new_empty(hidden.shape if need_dh else (0,)),
             weight.new_empty(weight.shape if need_dw else (0,), dtype=torch.float32))
 
 
-class _ValueHead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, backend):
-        w32 = weight.detach().float().contiguous()
-        b32 = None if bias is None else bias.detach().float().reshape(())
-        if backend == "triton":
-            out = torch.ops.compactionrl_fast.value_head_fwd_triton(hidden, w32, b32)
-        elif backend == "cpp":
-            out = torch.ops.compactionrl_fast.value_head_fwd(hidden, w32, b32)
-        else:
-            out = _torch_fwd(hidden, w32, b32)
-        ctx.save_for_backward(hidden, w32)
-        ctx.backend = backend
-        ctx.weight_dtype = weight.dtype
-        ctx.bias_shape = None if bias is None else bias.shape
-        return out
+def _fwd_torch(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return _torch_fwd(hidden, weight, bias)
 
-    @staticmethod
+
+def _bwd_torch(hidden: Tensor, weight: Tensor, grad: Tensor, need_dh: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
+    dh, dw = _torch_bwd(hidden, weight, grad, need_dh, need_dw)
+    return (hidden.new_empty(0) if dh is None else dh), (weight.new_empty(0) if dw is None else dw)
+
+
+def _fwd_triton(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    from ..kernels.value_head import value_head_fwd
+
+    return value_head_fwd(hidden, weight, bias)
+
+
+def _bwd_triton(hidden: Tensor, weight: Tensor, grad: Tensor, need_dh: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
+    from ..kernels.value_head import value_head_bwd
+
+    dh, dw = value_head_bwd(hidden, weight, grad, need_dh, need_dw)
+    return (hidden.new_empty(0) if dh is None else dh), (weight.new_empty(0) if dw is None else dw)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, _ = inputs
+    ctx.save_for_backward(hidden, weight)
+
+
+def _backward_of(bwd_name):
+    """The autograd formula of a fwd op: its backend's bwd op (d hidden, d weight), and d bias = sum(grad).
+    The caller's float32 copies of weight and bias carry the gradients back to their dtypes and shapes."""
+
     def backward(ctx, grad):
         hidden, w32 = ctx.saved_tensors
-        need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+        need_dh, need_dw, need_db = ctx.needs_input_grad
         g = grad.float().contiguous()
-        if ctx.backend == "triton":
-            dh, dw = torch.ops.compactionrl_fast.value_head_bwd_triton(hidden, w32, g, need_dh, need_dw)
-            dh, dw = (dh if need_dh else None), (dw if need_dw else None)
-        elif ctx.backend == "cpp":
-            dh, dw = torch.ops.compactionrl_fast.value_head_bwd(hidden, w32, g, need_dh, need_dw)
-            dh, dw = (dh if need_dh else None), (dw if need_dw else None)
-        else:
-            dh, dw = _torch_bwd(hidden, w32, g, need_dh, need_dw)
-        db = g.sum().reshape(ctx.bias_shape) if need_db else None
-        return dh, None if dw is None else dw.to(ctx.weight_dtype), db, None
+        dh, dw = getattr(torch.ops.compactionrl_fast, bwd_name)(hidden, w32, g, need_dh, need_dw)
+        return (dh if need_dh else None), (dw if need_dw else None), (g.sum() if need_db else None)
+
+    return backward
+
+
+for _fwd, _bwd, _fwd_impl, _bwd_impl in (("value_head_fwd", "value_head_bwd", None, None),  # C++, where built
+                                         ("value_head_fwd_triton", "value_head_bwd_triton", _fwd_triton, _bwd_triton),
+                                         ("value_head_fwd_torch", "value_head_bwd_torch", _fwd_torch, _bwd_torch)):
+    register_op(_bwd, _bwd_fake, _bwd_impl)
+    register_op(_fwd, _fwd_fake, _fwd_impl, backward=_backward_of(_bwd), setup_context=_setup_context)
+_FWD = {"cpp": "value_head_fwd", "triton": "value_head_fwd_triton", "torch": "value_head_fwd_torch"}
+
+
+# ---------------------------------------------------------------- public functions
 
 
 def _check_head(hidden, weight, bias):
@@ -179,13 +175,9 @@ def value_head(hidden, weight, bias=None, *, backend="auto"):
         [6.5, 6.5]
     """
     weight = _check_head(hidden, weight, bias)
-    device = hidden.device
-    b = resolve_backend(backend, device, op="value_head")
-    if backend == "auto" and device.type == "cpu":
-        # float32: BLAS gemv beats the C++ loop; half precision: the C++ loop (no float32 copy). The
-        # Triton interpreter is for tests only.
-        b = "cpp" if b == "cpp" and hidden.dtype != torch.float32 else "torch"
-    return _ValueHead.apply(hidden.contiguous(), weight, bias, b)
+    b = resolve_backend(backend, hidden.device, op="value_head", dtype=hidden.dtype)
+    b32 = None if bias is None else bias.float().reshape(())
+    return getattr(torch.ops.compactionrl_fast, _FWD[b])(hidden.contiguous(), weight.float().contiguous(), b32)
 
 
 def value_head_loss(hidden, weight, bias, old_values, returns, loss_mask, **value_loss_kwargs):

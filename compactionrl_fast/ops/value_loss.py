@@ -14,9 +14,10 @@ import torch
 from torch import Tensor
 
 from ..reference import losses as ref
-from . import _dispatch, _reduction
-from ._reduction import REDUCTIONS, check_denominator, check_layout, resolve_backend, segment_weights
-from ._validate import FLOAT_DTYPES, check_choice, check_float, check_tensor
+from ._dispatch import resolve_backend
+from ._reduction import REDUCTIONS, segment_weights
+from ._register import loss_autograd, register_op
+from ._validate import FLOAT_DTYPES, check_choice, check_denominator, check_float, check_layout, check_tensor
 
 METRICS = ("clip_fraction", "value_mean", "explained_variance")
 
@@ -31,23 +32,15 @@ def _fake(values, old_values, returns, loss_mask, cu_seqlens, seg_scale, clip, n
     return (values.new_empty(()), values.new_empty(len(METRICS)), values.new_empty(T if need_grad else 0))
 
 
-@torch.library.custom_op("compactionrl_fast::value_loss_triton", mutates_args=())
 def _triton_op(values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor, cu_seqlens: Optional[Tensor],
                seg_scale: Tensor, clip: float, need_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
-    from ..kernels.segments import device_guard
     from ..kernels.value_loss import value_loss_fwd
 
-    with device_guard(values):  # launch on the tensors' device, not the current one
-        return value_loss_fwd(values, old_values, returns, loss_mask, cu_seqlens, seg_scale, clip, need_grad)
+    return value_loss_fwd(values, old_values, returns, loss_mask, cu_seqlens, seg_scale, clip, need_grad)
 
 
-def _register(name):
-    _reduction.register_loss_op(name, _fake, 8)
-
-
-_register("compactionrl_fast::value_loss_triton")
-if _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "value_loss"):  # not in a stale build
-    _register("compactionrl_fast::value_loss")
+register_op("value_loss_triton", _fake, _triton_op, **loss_autograd("value_loss_triton", 8))
+register_op("value_loss", _fake, **loss_autograd("value_loss", 8))  # the C++ op (csrc/), where built
 
 
 # ---------------------------------------------------------------- public function

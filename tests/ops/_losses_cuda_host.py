@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from compactionrl_fast.ops._alloc import empty
+from compactionrl_fast.kernels._launch import empty
 from tests.utils import SHAPE_TABLE, packed_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

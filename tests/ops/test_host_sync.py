@@ -11,6 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import compactionrl_fast as crf
+from compactionrl_fast.kernels import _launch as klaunch
 from compactionrl_fast.ops import _dispatch
 from tests.utils import RecordOps
 
@@ -72,7 +73,7 @@ def test_fake_mode_catches_a_sync():
 def test_loss_backward_has_no_host_read_and_refuses_a_second_call():
     """The registered backward scales the saved gradient on the device (no .item() on CUDA tensors), and a
     second backward through the same graph is refused (it would rescale the gradient handed out)."""
-    from compactionrl_fast.ops._reduction import loss_backward
+    from compactionrl_fast.ops._register import loss_backward
 
     class Ctx:
         pass
@@ -146,7 +147,7 @@ def test_segment_gae_cuda_glue_launches_and_ops(monkeypatch, name, R, per, idx, 
     for k in ("_gae_params_kernel", "_gae_chunk_kernel", "_gae_lookback_kernel"):
         monkeypatch.setattr(kgae, k, Stub(k))
     monkeypatch.setattr(kgae, "_sm_count", lambda device: SMS)
-    monkeypatch.delenv("COMPACTIONRL_FAST_POISON", raising=False)  # the suite's NaN fill: not an op of a call
+    monkeypatch.setattr(klaunch, "POISON", False)  # the suite's NaN fill: not an op of a call
     with FakeTensorMode():
         S, T = R * per, 512 * R
         cu = torch.arange(S + 1, dtype=idx, device="cuda") * (T // S)
@@ -194,7 +195,7 @@ def test_segment_gae_cuda_glue_lookback_plan(monkeypatch):
     for k in ("_gae_params_kernel", "_gae_chunk_kernel", "_gae_lookback_kernel"):
         monkeypatch.setattr(kgae, k, Stub(k))
     monkeypatch.setenv("COMPACTIONRL_FAST_GAE_PLAN", "lookback")
-    monkeypatch.delenv("COMPACTIONRL_FAST_POISON", raising=False)
+    monkeypatch.setattr(klaunch, "POISON", False)
     R, per, T = 6, 2, 6000  # 3 tiles, the last one short
     with FakeTensorMode():
         cu = torch.arange(R * per + 1, device="cuda") * (T // (R * per))

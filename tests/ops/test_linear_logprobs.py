@@ -542,6 +542,7 @@ def test_torch_compile_fullgraph_forward_and_backward(backend, entropy):
 
 
 ll = importlib.import_module("compactionrl_fast.ops.linear_logprobs")  # the packages export the functions
+loop = importlib.import_module("compactionrl_fast.ops._linear_logprobs_loop")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOL = {torch.float32: 2e-5, torch.bfloat16: 6e-2, torch.float16: 8e-3}
 
@@ -676,7 +677,7 @@ def test_op_outputs():
     assert e.shape == (0,) and e.dtype == torch.float32
 
 
-class _SpyChunker(ll._Chunker):
+class _SpyChunker(loop._Chunker):
     sizes = []
 
     def __init__(self, hidden, weight, bias, inv_t, C, *a, **k):
@@ -687,7 +688,7 @@ class _SpyChunker(ll._Chunker):
 @pytest.mark.usefixtures("_no_triton_kernels")
 def test_chunk_size_choice(monkeypatch):
     # the given size, capped at T (at least 1); None: the budget over V (patched small here: 44 // 11 = 4)
-    monkeypatch.setattr(ll, "_Chunker", _SpyChunker)
+    monkeypatch.setattr(loop, "_Chunker", _SpyChunker)
     monkeypatch.setattr(ll, "CHUNK_ELEMS", {"cpu": 44, "cuda": 1 << 28})
     h, w, b, y = _data()
     loss_fn = _ppo_like(torch.ones(7), torch.ones(7))
@@ -763,7 +764,7 @@ def test_out_of_range_targets_without_value_checks(monkeypatch):
     ok = (y >= 0) & (y < 11)
     onehot[ok.nonzero()[:, 0], y[ok]] = 1.0
     torch.testing.assert_close(g.double(), (onehot - p) @ w.double(), rtol=1e-5, atol=1e-5)
-    idx, okk = ll._target_index(y, 11)
+    idx, okk = loop._target_index(y, 11)
     assert idx.tolist() == [int(v) if 0 <= v < 11 else 0 for v in y] and okk.tolist() == ok.tolist()
 
 
@@ -781,7 +782,7 @@ def test_default_chunk_size():
     assert ll.default_chunk_size(10000, 32768, torch.device("meta")) == 512
     assert ll.default_chunk_size(0, 0, cpu) == 1
     assert ll.default_chunk_size(10 ** 9, 0, cpu) == 1 << 24
-    assert ll._chunks(7, 3) == [slice(0, 3), slice(3, 6), slice(6, 7)] and ll._chunks(0, 3) == []
+    assert loop._chunks(7, 3) == [slice(0, 3), slice(3, 6), slice(6, 7)] and loop._chunks(0, 3) == []
 
 
 @pytest.mark.usefixtures("_no_triton_kernels")
@@ -1027,5 +1028,6 @@ def test_triton_on_cpu_is_float32_only():
         crf.linear_logprobs(h, w, y, backend="triton")
     with pytest.raises(ValueError, match="^backend='triton' on CPU tensors"):
         crf.linear_logprobs_loss(h, w, y, _ppo_like(torch.ones(7), torch.ones(7)), backend="triton")
-    assert ll._resolve_backend("auto", torch.device("cpu"), torch.bfloat16) == "torch"
-    assert ll._resolve_backend("triton", torch.device("cpu"), torch.float32) == "triton"
+    resolve = importlib.import_module("compactionrl_fast.ops._dispatch").resolve_backend
+    assert resolve("auto", torch.device("cpu"), op="linear_logprobs", dtype=torch.bfloat16) == "torch"
+    assert resolve("triton", torch.device("cpu"), op="linear_logprobs", dtype=torch.float32) == "triton"

@@ -882,8 +882,15 @@ def test_fake_impl():
     assert ops_ppo._fake(lp, lp, lp, None, None, None, None, 0.2, 0.2, 1.0, 1.0, False)[2].shape == (0,)
 
 
-def test_register(monkeypatch):
-    seen = []
-    monkeypatch.setattr(ops_ppo._reduction, "register_loss_op", lambda *a: seen.append(a))
-    ops_ppo._register("ns::x")
-    assert seen == [("ns::x", ops_ppo._fake, 12)]
+def test_register():
+    # the Triton op and (where built) the C++ op are registered with `_fake`: FakeTensorMode runs it
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    names = [n for n in ("ppo_policy_loss_triton", "ppo_policy_loss") if hasattr(torch.ops.compactionrl_fast, n)]
+    assert names[0] == "ppo_policy_loss_triton"
+    with FakeTensorMode():
+        lp, mask, scale = torch.zeros(6), torch.ones(6, dtype=torch.bool), torch.ones(1, dtype=torch.float64)
+        for n in names:
+            loss, m, g = getattr(torch.ops.compactionrl_fast, n)(lp, lp, lp, mask, None, None, scale, 0.2, 0.2, 1.0,
+                                                                 1.0, True)
+            assert loss.shape == () and m.shape == (len(ops_ppo.METRICS),) and g.shape == (6,)

@@ -1,16 +1,18 @@
 """compactionrl_fast.ops._reduction: the weights of every reduction and denominator against the
 reference's token weights (C++ op, the torch formulation, the fallbacks) and the backends against each other
-(the Triton kernel under the interpreter), the layout and denominator checks with the argument named, the
-global counts (a faked process group), and the shared loss-op autograd (`loss_backward`, `register_loss_op`)
-called directly. The loss kernels' Triton/CUDA paths: tests/ops/test_ppo_loss.py and test_value_loss.py."""
+(the Triton kernel under the interpreter), the layout and denominator checks
+with the argument named, the global counts (a faked process group), and the shared loss-op autograd
+(`loss_backward`, `register_op` with `loss_autograd`) called directly. Triton/CUDA paths: tests/ops/test_ppo_loss.py and
+test_value_loss.py."""
 import types
 
 import pytest
 import torch
 
 import compactionrl_fast as crf
-from compactionrl_fast.ops import _dispatch
+from compactionrl_fast.ops import _dispatch, _register
 from compactionrl_fast.ops import _reduction as red
+from compactionrl_fast.ops import _validate
 from compactionrl_fast.reference import losses as ref
 from tests.utils import RecordOps, SHAPE_TABLE, packed_batch
 
@@ -253,9 +255,9 @@ def test_global_denominator_refusals():
 
 def test_check_layout_accepts():
     mask = torch.ones(4, dtype=torch.bool)
-    assert red.check_layout(mask, None, None) is None
-    assert red.check_layout(mask, torch.tensor([0, 2, 4]), None) is None
-    seg = red.check_layout(mask, torch.tensor([0, 2, 4], dtype=torch.int32), torch.tensor([0, 1, 2]))
+    assert _validate.check_layout(mask, None, None) is None
+    assert _validate.check_layout(mask, torch.tensor([0, 2, 4]), None) is None
+    seg = _validate.check_layout(mask, torch.tensor([0, 2, 4], dtype=torch.int32), torch.tensor([0, 1, 2]))
     assert seg.dtype == torch.int32 and seg.tolist() == [0, 1, 2]
 
 
@@ -271,30 +273,30 @@ def test_check_layout_accepts():
 ])
 def test_check_layout_refuses(cu, seg, err, match):
     with pytest.raises(err, match=match):
-        red.check_layout(torch.ones(4, dtype=torch.bool), cu, seg)
+        _validate.check_layout(torch.ones(4, dtype=torch.bool), cu, seg)
 
 
 def test_check_layout_on_the_meta_device():
     # no values read: bad offsets pass, empty offset vectors and the dtype/shape/device checks still refuse
     mask = torch.ones(4, dtype=torch.bool, device="meta")
     cu = torch.tensor([0, 9], device="meta")
-    assert red.check_layout(mask, cu, torch.tensor([0, 5], dtype=torch.int32, device="meta")).dtype == torch.int64
+    assert _validate.check_layout(mask, cu, torch.tensor([0, 5], dtype=torch.int32, device="meta")).dtype == torch.int64
     with pytest.raises(ValueError, match=r"^cu_seqlens must have at least one element \(offsets \[S\+1\]\)"):
-        red.check_layout(mask, torch.zeros(0, dtype=torch.int64, device="meta"), None)
+        _validate.check_layout(mask, torch.zeros(0, dtype=torch.int64, device="meta"), None)
     with pytest.raises(ValueError, match=r"^cu_segments must have at least one element \(offsets \[R\+1\]\)"):
-        red.check_layout(mask, cu, torch.zeros(0, dtype=torch.int64, device="meta"))
+        _validate.check_layout(mask, cu, torch.zeros(0, dtype=torch.int64, device="meta"))
     with pytest.raises(ValueError, match="^cu_seqlens is on cpu"):
-        red.check_layout(mask, torch.tensor([0, 4]), None)
+        _validate.check_layout(mask, torch.tensor([0, 4]), None)
     with pytest.raises(ValueError, match="^cu_segments is on cpu"):
-        red.check_layout(mask, cu, torch.tensor([0, 1]))
+        _validate.check_layout(mask, cu, torch.tensor([0, 1]))
 
 
 def test_check_layout_without_value_checks(monkeypatch):
     # COMPACTIONRL_FAST_CHECKS=0: offsets are not read, but dtype/shape/device and emptiness are still checked
     monkeypatch.setenv("COMPACTIONRL_FAST_CHECKS", "0")
     mask = torch.ones(4, dtype=torch.bool)
-    assert red.check_layout(mask, torch.tensor([0, 9]), torch.tensor([0, 5])).tolist() == [0, 5]
-    assert red.check_layout(torch.ones(0, dtype=torch.bool), torch.tensor([0]), torch.tensor([0])).tolist() == [0]
+    assert _validate.check_layout(mask, torch.tensor([0, 9]), torch.tensor([0, 5])).tolist() == [0, 5]
+    assert _validate.check_layout(torch.ones(0, dtype=torch.bool), torch.tensor([0]), torch.tensor([0])).tolist() == [0]
     meta = torch.device("meta")
     for cu, seg, err, match in [
         (torch.tensor([0.0, 4.0]), None, TypeError, "^cu_seqlens must have dtype"),
@@ -309,20 +311,20 @@ def test_check_layout_without_value_checks(monkeypatch):
                                                                               r"element \(offsets \[R\+1\]\)$"),
     ]:
         with pytest.raises(err, match=match):
-            red.check_layout(mask, cu, seg)
+            _validate.check_layout(mask, cu, seg)
 
 
 def test_check_denominator_accepts():
-    assert red.check_denominator(None, "sum") is None
-    assert red.check_denominator(None, "token-mean") is None
-    assert red.check_denominator(3, "token-mean") == 3.0 and type(red.check_denominator(3, "token-mean")) is float
-    assert red.check_denominator(0.0, "segment-mean") == 0.0
+    assert _validate.check_denominator(None, "sum") is None
+    assert _validate.check_denominator(None, "token-mean") is None
+    assert _validate.check_denominator(3, "token-mean") == 3.0 and type(_validate.check_denominator(3, "token-mean")) is float
+    assert _validate.check_denominator(0.0, "segment-mean") == 0.0
     t = torch.tensor([[5]])
-    out = red.check_denominator(t, "rollout-mean", torch.device("cpu"))
+    out = _validate.check_denominator(t, "rollout-mean", torch.device("cpu"))
     assert out.shape == () and int(out) == 5
-    assert red.check_denominator(torch.tensor(0.0), "token-mean").shape == ()
+    assert _validate.check_denominator(torch.tensor(0.0), "token-mean").shape == ()
     meta = torch.tensor(-1.0, device="meta")  # not readable: passes, the loss shows it
-    assert red.check_denominator(meta, "token-mean", torch.device("meta")).device.type == "meta"
+    assert _validate.check_denominator(meta, "token-mean", torch.device("meta")).device.type == "meta"
 
 
 @pytest.mark.parametrize("den, reduction, device, err, match", [
@@ -341,7 +343,7 @@ def test_check_denominator_accepts():
 ])
 def test_check_denominator_refuses(den, reduction, device, err, match):
     with pytest.raises(err, match=match):
-        red.check_denominator(den, reduction, device)
+        _validate.check_denominator(den, reduction, device)
 
 
 def test_inverse_denominator():
@@ -356,12 +358,12 @@ def test_inverse_denominator():
 
 def test_resolve_backend():
     cpu = torch.device("cpu")
-    assert red.resolve_backend("torch", cpu) == "torch"
-    assert red.resolve_backend("auto", cpu, op="segment_gae") == "cpp"
-    assert red.resolve_backend("auto", cpu, op="linear_logprobs") == "torch"  # the op's own order
-    assert red.resolve_backend("auto", cpu, ("torch",)) == "torch"
+    assert _dispatch.resolve_backend("torch", cpu) == "torch"
+    assert _dispatch.resolve_backend("auto", cpu, op="segment_gae") == "cpp"
+    assert _dispatch.resolve_backend("auto", cpu, op="linear_logprobs") == "torch"  # the op's own order
+    assert _dispatch.resolve_backend("auto", cpu, ("torch",)) == "torch"
     with pytest.raises(ValueError, match="^backend"):
-        red.resolve_backend("cuda", cpu, op="ppo_policy_loss")
+        _dispatch.resolve_backend("cuda", cpu, op="ppo_policy_loss")
 
 
 # ---------------------------------------------------------------- the shared autograd of the loss ops
@@ -373,7 +375,7 @@ class _Ctx:
 
 
 def test_loss_backward_hands_out_the_saved_gradient_once():
-    bwd = red.loss_backward("my::op", 4)
+    bwd = _register.loss_backward("my::op", 4)
     g = torch.tensor([1.0, -2.0])
     ctx = _Ctx(g)
     with RecordOps() as ops:  # d_loss = 1 on CPU: no pass over the buffer
@@ -389,7 +391,7 @@ def test_loss_backward_hands_out_the_saved_gradient_once():
 
 @pytest.mark.parametrize("d_loss", [torch.tensor(3.0), torch.tensor(-0.5), torch.tensor(1.0, device="meta")])
 def test_loss_backward_scales_by_the_incoming_gradient(d_loss):
-    bwd = red.loss_backward("my::op", 2)
+    bwd = _register.loss_backward("my::op", 2)
     g = torch.tensor([1.0, -2.0], device=d_loss.device)
     out = bwd(_Ctx(g), d_loss, None, None)
     assert len(out) == 2 and out[1] is None
@@ -406,7 +408,7 @@ def test_loss_backward_scales_a_tensor_subclass_gradient():
 
     g = torch.tensor([1.0, -2.0])
     with RecordOps() as ops:
-        out = red.loss_backward("my::op", 1)(_Ctx(g), torch.tensor(1.0).as_subclass(Sub), None, None)
+        out = _register.loss_backward("my::op", 1)(_Ctx(g), torch.tensor(1.0).as_subclass(Sub), None, None)
     assert out[0].tolist() == [1.0, -2.0] and len(out) == 1
     assert ops.ops["aten.mul_.Tensor"] == 1, ops.ops
 
@@ -419,11 +421,12 @@ def test_register_loss_op(monkeypatch):
         calls["autograd"] = (name, backward, setup_context)
 
     monkeypatch.setattr(torch.library, "register_autograd", reg_autograd)
+    monkeypatch.setattr(_register, "has_cpp_op", lambda name: True)
     fake = object()
-    red.register_loss_op("ns::loss", fake, 3)
-    assert calls["fake"] == ("ns::loss", fake)
+    _register.register_op("loss", fake, **_register.loss_autograd("loss", 3))
+    assert calls["fake"] == ("compactionrl_fast::loss", fake)
     name, backward, setup = calls["autograd"]
-    assert name == "ns::loss"
+    assert name == "compactionrl_fast::loss"
     ctx = types.SimpleNamespace()
     ctx.set_materialize_grads = lambda v: setattr(ctx, "materialize", v)
     ctx.save_for_backward = lambda *t: setattr(ctx, "saved_tensors", t)
@@ -432,5 +435,5 @@ def test_register_loss_op(monkeypatch):
     assert ctx.materialize is False and ctx.saved_tensors[0] is grad and len(ctx.saved_tensors) == 1
     out = backward(ctx, torch.tensor(2.0), None, None)
     assert len(out) == 3 and out[0].tolist() == [4.0]
-    with pytest.raises(RuntimeError, match="^ns::loss"):
+    with pytest.raises(RuntimeError, match="^compactionrl_fast::loss"):
         backward(ctx, torch.tensor(2.0), None, None)

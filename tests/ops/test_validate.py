@@ -273,3 +273,47 @@ def test_dispatch_table_and_override(monkeypatch):
         D.resolve("auto", cpu, op="segment_gae")
     with pytest.raises(ValueError, match="no cuda backend"):
         D.resolve("cuda", torch.device("cuda"), op="linear_logprobs")
+
+
+def test_op_rules():
+    """The per-op exceptions to the table (`_op_rule`), and `resolve_backend` applying them."""
+    rule, f32, bf16 = D._op_rule, torch.float32, torch.bfloat16
+    # value_head "auto" on CPU: C++ for half precision, BLAS (torch) for float32 and without the C++ op
+    assert rule("value_head", "auto", "cpp", "cpu", bf16, False) == "cpp"
+    assert rule("value_head", "auto", "cpp", "cpu", f32, False) == "torch"
+    assert rule("value_head", "auto", "triton", "cpu", bf16, False) == "torch"
+    assert rule("value_head", "cpp", "cpp", "cpu", f32, False) == "cpp"  # asked for: kept
+    assert rule("value_head", "auto", "triton", "cuda", f32, False) == "triton"
+    # linear_logprobs: the interpreter runs float32 only
+    with pytest.raises(ValueError, match=r"^backend='triton' on CPU tensors \(the Triton interpreter\) supports "
+                                         r"float32 only: the interpreter's bf16/fp16 arithmetic is unreliable; use "
+                                         r"backend='torch'$"):
+        rule("linear_logprobs", "auto", "triton", "cpu", bf16, False)
+    assert rule("linear_logprobs", "triton", "triton", "cpu", f32, False) == "triton"
+    assert rule("linear_logprobs", "triton", "triton", "cuda", bf16, False) == "triton"
+    assert rule("linear_logprobs", "torch", "torch", "cpu", bf16, False) == "torch"
+    # segment_gae: placed segments are not on the cuda backend
+    assert rule("segment_gae", "auto", "cuda", "cuda", f32, True) == "triton"
+    with pytest.raises(ValueError, match=r"^seg_start \(placed segments\) is not supported by the cuda backend: use "
+                                         r"backend='triton'$"):
+        rule("segment_gae", "cuda", "cuda", "cuda", f32, True)
+    assert rule("segment_gae", "cuda", "cuda", "cuda", f32, False) == "cuda"
+    assert rule("segment_gae", "auto", "triton", "cuda", f32, True) == "triton"
+    assert rule("ppo_policy_loss", "auto", "cpp", "cpu", f32, True) == "cpp"
+    assert rule(None, "auto", "cpp", "cpu", bf16, False) == "cpp"
+    assert D.resolve_backend("auto", CPU, op="value_head", dtype=f32) == "torch"
+    assert D.resolve_backend("auto", CPU, op="value_head", dtype=bf16) == D.resolve("auto", CPU, op="value_head")
+    assert D.resolve_backend("torch", CPU, ("torch",)) == "torch"
+
+
+def test_resolve_backend_passes_the_op_and_its_facts(monkeypatch):
+    _built(monkeypatch, cpp=True, cuda_ext=True, triton=True, interpret=False)
+    assert D.resolve_backend("auto", CPU, op="linear_logprobs") == "torch"  # the op's order, not the built one
+    assert D.resolve_backend("auto", CUDA, ("cuda", "torch"), op="segment_gae") == "cuda"  # placed=False default
+    assert D.resolve_backend("auto", CUDA, ("cuda", "torch"), op="segment_gae", placed=True) == "triton"
+
+
+def test_check_denominator_names_its_range():
+    with pytest.raises(ValueError, match=r"^denominator must be in \[0.0, inf\], got -1.0$"):
+        V.check_denominator(-1.0, "token-mean")
+    assert V.check_denominator(float("inf"), "segment-mean") == float("inf")  # a float passes unread: inf is allowed

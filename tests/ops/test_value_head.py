@@ -57,6 +57,18 @@ def _mvs(count):
     return count.ops["aten.mv.default"] + count.ops["aten.mv.out"]
 
 
+def _count_inside(monkeypatch, name):
+    """A RecordOps around vh.<name>, the body of a torch-path op (a dispatch mode sees a custom op, not its body)."""
+    counter, fn = RecordOps(), getattr(vh, name)
+
+    def counted(*args):
+        with counter:
+            return fn(*args)
+
+    monkeypatch.setattr(vh, name, counted)
+    return counter
+
+
 @pytest.mark.usefixtures("_modest_chunk_budget")
 def test_torch_path_row_chunks(monkeypatch):
     # bf16: one gemv per 3-row chunk; float32 on CPU: one gemv for the values and one for d_weight, the chunks
@@ -65,10 +77,12 @@ def test_torch_path_row_chunks(monkeypatch):
     for dtype, mvs in ((torch.bfloat16, (4, 4)), (torch.float32, (1, 1))):
         h, w, b = _data(dtype)
         w.requires_grad_()
-        with RecordOps() as fwd:
+        with monkeypatch.context() as m:
+            fwd = _count_inside(m, "_torch_fwd")
             out = crf.value_head(h, w, b, backend="torch")
         g = torch.linspace(-1, 2, 10)
-        with RecordOps() as bwd:
+        with monkeypatch.context() as m:
+            bwd = _count_inside(m, "_torch_bwd")
             (gw,) = torch.autograd.grad(out, w, g)
         assert (_mvs(fwd), _mvs(bwd)) == mvs, (fwd.ops, bwd.ops)
         want = ref.value_head(h, w, b)
@@ -77,7 +91,8 @@ def test_torch_path_row_chunks(monkeypatch):
     h[4, 2] = float("nan")
     g[4] = 0.0
     out = crf.value_head(h, w, b, backend="torch")
-    with RecordOps() as bwd:
+    with monkeypatch.context() as m:
+        bwd = _count_inside(m, "_torch_bwd")
         (gw,) = torch.autograd.grad(out, w, g)
     assert _mvs(bwd) == 1 + 4, bwd.ops  # the gemv, then 4 masked chunks
     torch.testing.assert_close(gw.double(), h.double().nan_to_num(0.0).T @ g.double(), rtol=1e-5, atol=1e-5)
@@ -223,8 +238,8 @@ def test_auto_backend_on_cpu(dtype, want):
         out = crf.value_head(h, w, b)
         out.backward(torch.ones(10))
     names = [f for f, _ in rec.calls]
-    if want is None:
-        assert names == []
+    if want is None:  # the torch pair
+        assert names == ["compactionrl_fast.value_head_fwd_torch.default", "compactionrl_fast.value_head_bwd_torch.default"]
     else:
         assert names == ["compactionrl_fast.value_head_fwd.default", "compactionrl_fast.value_head_bwd.default"]
     with RecordOps() as rec:
@@ -259,7 +274,8 @@ def test_value_head_loss(backend, dtype):
     with RecordOps() as rec:
         loss, m = crf.value_head_loss(h, w, b, old, ret, mask, **kw)
     names = [f for f, _ in rec.calls]
-    head = [] if backend == "torch" or (backend == "auto" and dtype == torch.float32) else \
+    head = ["compactionrl_fast.value_head_fwd_torch.default"] if backend == "torch" or (
+        backend == "auto" and dtype == torch.float32) else \
         ["compactionrl_fast.value_head_fwd.default"]  # "auto" on CPU: BLAS for float32, C++ for bf16
     loss_ops = [] if backend == "torch" else ["compactionrl_fast.segment_weights.default",
                                               "compactionrl_fast.value_loss.default"]

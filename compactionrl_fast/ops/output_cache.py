@@ -1,16 +1,5 @@
-"""Output allocation for the Python-side launchers. With COMPACTIONRL_FAST_POISON=1 (set by the test
-suite) float outputs start as NaN and integer ones (counters, flags) as -1, so an element a kernel forgets
-to write fails the tests."""
-import os
-
-import torch
-
-
-def empty(*shape, dtype=torch.float32, device="cpu"):
-    t = torch.empty(*shape, dtype=dtype, device=device)
-    if os.environ.get("COMPACTIONRL_FAST_POISON") == "1":
-        t.fill_(float("nan") if t.is_floating_point() else -1)
-    return t
+"""`output_cache`: the C++ CPU ops' cache of output blocks (csrc/common/alloc.h)."""
+from . import _dispatch
 
 
 def output_cache(limit_bytes: int | None = None, clear: bool = False) -> dict:
@@ -19,8 +8,6 @@ def output_cache(limit_bytes: int | None = None, clear: bool = False) -> dict:
     can make a call several times slower depending on what the process did before. Freed blocks stay
     cached up to `limit_bytes` (default 256 MiB; 0 turns caching off and frees the cache); `clear` frees
     every cached block. Returns {"cached_bytes", "limit_bytes", "hits", "misses"}."""
-    from . import _dispatch
-
     ext = _dispatch.cpp_ext()
     if ext is None:
         raise RuntimeError("output_cache: the C++ extension compactionrl_fast._C is not built")

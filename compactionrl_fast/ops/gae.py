@@ -13,12 +13,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..kernels.modes import CROSS_SEGMENT as CROSS_MODES
+from ..kernels.modes import LAM_ADAPTIVE_ROLLOUT, LAM_ADAPTIVE_SEGMENT, LAM_CONST, LAM_TENSOR, REWARD_PLACEMENT
 from ..reference import gae as ref
 from ._reduction import check_layout, resolve_backend
 from ._validate import FLOAT_DTYPES, check_choice, check_float, check_tensor, value_checks
-
-CROSS_MODES = {"none": 0, "paper": 1, "stitched": 2}
-LAM_CONST, LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT, LAM_TENSOR = 0, 1, 2, 3
 
 
 def _check_packed(rewards, values, loss_mask, cu_seqlens, cu_segments):
@@ -69,8 +68,6 @@ def _register_cpp_fake():
 
     if _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "segment_gae"):
         torch.library.register_fake("compactionrl_fast::segment_gae", _gae_fake)
-    if _dispatch.cpp_ext() is not None and hasattr(torch.ops.compactionrl_fast, "segment_gae_serial"):
-        torch.library.register_fake("compactionrl_fast::segment_gae_serial", _gae_fake)
 
 
 _register_cpp_fake()
@@ -202,7 +199,7 @@ def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None
     check_tensor("loss_mask", loss_mask, dtypes=(torch.bool,), ndim=1)
     check_tensor("rollout_rewards", rollout_rewards, dtypes=FLOAT_DTYPES, ndim=1, device=loss_mask.device)
     cu_seqlens, cu_segments, S, R = _check_packed(None, None, loss_mask, cu_seqlens, cu_segments)
-    check_choice("mode", mode, ("paper", "stitched"))
+    check_choice("mode", mode, tuple(REWARD_PLACEMENT))
     if rollout_rewards.numel() != R:
         raise ValueError(f"rollout_rewards must have one reward per rollout (R={R}), got shape "
                          f"{tuple(rollout_rewards.shape)}")

@@ -399,6 +399,5 @@ def test_fake_impl_is_registered_for_the_cpp_ops(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.library, "register_fake", lambda name, fn: seen.append((name, fn)))
     ops_gae._register_cpp_fake()
-    assert seen == [("compactionrl_fast::segment_gae", ops_gae._gae_fake),
-                    ("compactionrl_fast::segment_gae_serial", ops_gae._gae_fake)]
+    assert seen == [("compactionrl_fast::segment_gae", ops_gae._gae_fake)]
 

@@ -12,8 +12,8 @@ before timing, so a broken baseline cannot win:
 - every available backend of `compactionrl_fast.segment_gae` on the device ("cpp" on CPU; "triton" and
   "cuda" on CUDA), plus the same backend on the paper's recipe (defaults: cross_segment="paper",
   adaptive lambda per rollout, a second lam_critic=1 recurrence for the returns);
-- "cpp avx2": the cpp backend held to its 4-lane AVX2 path (COMPACTIONRL_FAST_CPU_SIMD=avx2), the
-  default before the 8-lane AVX-512 path; "cpp serial (old)": one rollout at a time, no lanes;
+- "cpp avx2": the cpp backend held to its 4-lane AVX2 path (`compactionrl_fast._C.cpu_simd("avx2")`), the
+  default before the 8-lane AVX-512 path;
 - "torch oracle": backend="torch", the float64 python-loop reference; only on the small shape;
 - "per-step loop": `reference.masked_gae` on the padded [S, L] layout trainers keep (one row per
   segment): a python loop over the L time steps, vectorised masked torch ops over the S rows. Only the
@@ -43,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import compactionrl_fast as crf  # noqa: E402
-from compactionrl_fast.ops._dispatch import available  # noqa: E402
+from compactionrl_fast.ops._dispatch import available, cpp_ext  # noqa: E402
 from compactionrl_fast.reference.gae import masked_gae  # noqa: E402
 
 from benchmarks import _harness as H  # noqa: E402
@@ -274,6 +274,16 @@ def check(name, got, want):
             raise AssertionError(f"{name} disagrees with the reference backend on {what}: {e}") from None
 
 
+def _with_simd(name, fn):
+    """fn() with the CPU scan held to the SIMD path `name` (see csrc/cpu/gae.cpp)."""
+    old = cpp_ext().cpu_simd()
+    cpp_ext().cpu_simd(name)
+    try:
+        return fn()
+    finally:
+        cpp_ext().cpu_simd(old)
+
+
 def _with_env(name, value, fn):
     old = os.environ.get(name)
     os.environ[name] = value
@@ -298,14 +308,8 @@ def formulations(b, device, *, oracle: bool, loops: bool = True, plans: bool = F
     if plans and "triton" in backends:  # the single-pass look-back plan beside the default plan
         out.append(("triton lookback", lambda: _with_env("COMPACTIONRL_FAST_GAE_PLAN", "lookback", lambda: run_backend(b, "triton")), None, {}))
     if "cpp" in backends:  # the 4-lane AVX2 path (the default before the AVX-512 one) on CPUs that have both
-        out.append(("cpp avx2", lambda: _with_env("COMPACTIONRL_FAST_CPU_SIMD", "avx2", lambda: run_backend(b, "cpp")),
+        out.append(("cpp avx2", lambda: _with_simd("avx2", lambda: run_backend(b, "cpp")),
                     None, {}))
-    if "cpp" in backends:  # the one-rollout-at-a-time scan the lane-interleaved one replaced
-        ops = torch.ops.compactionrl_fast
-        cu, cs = b["cu_seqlens"], b["cu_segments"]
-        serial = lambda: ops.segment_gae_serial(b["rewards"], b["values"], b["loss_mask"], cu, cs.to(cu.dtype), None,
-                                                GAMMA, LAM, 0, 1.5, 0, -1.0)
-        out.append(("cpp serial (old)", serial, None, {}))
     if oracle and loops:
         out.append(("torch oracle", lambda: run_backend(b, "torch"), None, dict(warmup=0, min_reps=3)))
     if loops:

@@ -4,18 +4,14 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(compactionrl_fast, m) {
-  // GAE over packed segments (csrc/cpu/gae.cpp, csrc/cuda/gae.cu); segment_gae_serial: the one-thread
-  // CPU scan the tests and benchmarks compare against.
+  // GAE over packed segments (csrc/cpu/gae.cpp, csrc/cuda/gae.cu); lam_mode and cross: csrc/common/modes.h.
   m.def(
       "segment_gae(Tensor rewards, Tensor values, Tensor loss_mask, Tensor cu_seqlens, Tensor cu_segments, "
       "Tensor? lam_seg, float gamma, float lam, int lam_mode, float alpha, int cross, float lam_critic, "
       "Tensor? seg_start=None) -> (Tensor, Tensor)");
-  m.def(
-      "segment_gae_serial(Tensor rewards, Tensor values, Tensor loss_mask, Tensor cu_seqlens, Tensor cu_segments, "
-      "Tensor? lam_seg, float gamma, float lam, int lam_mode, float alpha, int cross, float lam_critic, "
-      "Tensor? seg_start=None) -> (Tensor, Tensor)");
 
-  // Loss reductions' per-segment metadata (csrc/cpu/segment_counts.cpp, csrc/cpu/segment_weights.cpp).
+  // Loss reductions' per-segment metadata (csrc/cpu/segment_counts.cpp, csrc/cpu/segment_weights.cpp);
+  // reduction: csrc/common/modes.h.
   m.def("segment_counts(Tensor loss_mask, Tensor cu_seqlens) -> Tensor");
   m.def(
       "segment_weights(Tensor loss_mask, Tensor? cu_seqlens, Tensor? cu_segments, int reduction, float den, "

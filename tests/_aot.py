@@ -1,13 +1,14 @@
 """Ahead-of-time compilation of the Triton kernels and the CUDA sources for sm_80 and sm_90, on a
 machine with no GPU, and resource usage read from the cubins with cuobjdump.
 
-Each kernels/<op>.py module lists what to compile in `AOT_SPECS`: a list of
-(kernel name, signature dict, constexpr dict) as `triton.compiler.ASTSource` takes them, and optionally
-a fourth item, the compile options its launcher passes (e.g. {"num_warps": 8}; default: Triton's).
-Triton runs in a subprocess with the interpreter off (the test process has it on).
+What to compile for a kernels/ module: tests/_aot_specs.py `SPECS[module]`, else the module's own
+`AOT_SPECS`: a list of (kernel name, signature dict, constexpr dict) as `triton.compiler.ASTSource` takes
+them, and optionally a fourth item, the compile options its launcher passes (e.g. {"num_warps": 8};
+default: Triton's). Triton runs in a subprocess with the interpreter off (the test process has it on).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -22,9 +23,9 @@ _TRITON_SCRIPT = r"""
 import importlib, json, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-mod = importlib.import_module(sys.argv[1]); out = sys.argv[2]
+mod = importlib.import_module(sys.argv[1]); out = sys.argv[2]; specs = json.load(open(sys.argv[3]))
 names = []
-for i, (kname, sig, consts, *opts) in enumerate(mod.AOT_SPECS):
+for i, (kname, sig, consts, *opts) in enumerate(specs):
     fn = getattr(mod, kname)
     for cc in %s:
         k = compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", cc, 32),
@@ -59,11 +60,22 @@ def resource_usage(cubin: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def aot_specs(module: str) -> list:
+    """The AOT specs of `module` (compactionrl_fast.kernels.<name>): tests/_aot_specs.py's, else its AOT_SPECS."""
+    from tests._aot_specs import SPECS
+
+    name = module.rsplit(".", 1)[-1]
+    return list(SPECS[name]) if name in SPECS else list(getattr(importlib.import_module(module), "AOT_SPECS", []))
+
+
 def compile_triton_module(module: str):
-    """Compile every AOT_SPECS entry of `module` for each arch; returns [(kernel, idx, cc, consts, usage)]."""
+    """Compile every AOT spec of `module` for each arch; returns [(kernel, idx, cc, consts, usage)]."""
     tmp = tempfile.mkdtemp(prefix="crf_aot_")
+    specs = os.path.join(tmp, "specs.json")
+    with open(specs, "w") as f:
+        json.dump(aot_specs(module), f)
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT, module, tmp], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT, module, tmp, specs], env=env, capture_output=True,
                           text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"AOT compile of {module} failed:\n{proc.stderr[-4000:]}")

@@ -13,13 +13,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..kernels.modes import CROSS_SEGMENT as CROSS_MODES
+from ..kernels.modes import LAM_ADAPTIVE_ROLLOUT, LAM_ADAPTIVE_SEGMENT, LAM_CONST, LAM_TENSOR, REWARD_PLACEMENT
 from ..reference import gae as ref
 from ._dispatch import resolve_backend
 from ._register import register_op
 from ._validate import FLOAT_DTYPES, check_choice, check_float, check_layout, check_tensor, value_checks
-
-CROSS_MODES = {"none": 0, "paper": 1, "stitched": 2}
-LAM_CONST, LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT, LAM_TENSOR = 0, 1, 2, 3
 
 
 def _check_packed(rewards, values, loss_mask, cu_seqlens, cu_segments):
@@ -63,7 +62,6 @@ def _gae_triton(rewards: Tensor, values: Tensor, loss_mask: Tensor, cu_seqlens: 
 
 register_op("segment_gae_triton", _gae_fake, _gae_triton)
 register_op("segment_gae", _gae_fake)  # the C++ op (csrc/), where built
-register_op("segment_gae_serial", _gae_fake)  # the C++ serial scan (benchmarks), where built
 
 
 def _check_starts(seg_start, cu_seqlens, T, device):
@@ -188,7 +186,7 @@ def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None
     check_tensor("loss_mask", loss_mask, dtypes=(torch.bool,), ndim=1)
     check_tensor("rollout_rewards", rollout_rewards, dtypes=FLOAT_DTYPES, ndim=1, device=loss_mask.device)
     cu_seqlens, cu_segments, S, R = _check_packed(None, None, loss_mask, cu_seqlens, cu_segments)
-    check_choice("mode", mode, ("paper", "stitched"))
+    check_choice("mode", mode, tuple(REWARD_PLACEMENT))
     if rollout_rewards.numel() != R:
         raise ValueError(f"rollout_rewards must have one reward per rollout (R={R}), got shape "
                          f"{tuple(rollout_rewards.shape)}")

@@ -1,5 +1,6 @@
-// Output allocation shared by the C++/CUDA ops. With COMPACTIONRL_FAST_POISON=1 (set by the test suite)
-// outputs start as NaN, so an element a kernel forgets to write fails the tests instead of passing as 0.
+// Output allocation shared by the C++/CUDA ops. With COMPACTIONRL_FAST_POISON=1 (set by the test suite before
+// the first op; read once) outputs start as NaN, so an element a kernel forgets to write fails the tests
+// instead of passing as 0.
 #pragma once
 #include <ATen/ATen.h>
 #include <cstdlib>
@@ -14,8 +15,11 @@ at::Tensor cpu_output_empty(at::IntArrayRef shape, const at::TensorOptions& opts
 std::vector<int64_t> cpu_output_cache(int64_t limit, bool clear);
 
 inline bool poison_outputs() {
-  const char* v = std::getenv("COMPACTIONRL_FAST_POISON");
-  return v != nullptr && std::strcmp(v, "1") == 0;
+  static const bool on = [] {
+    const char* v = std::getenv("COMPACTIONRL_FAST_POISON");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
 }
 
 inline at::Tensor empty_output(at::IntArrayRef shape, const at::TensorOptions& opts) {

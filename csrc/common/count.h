@@ -7,8 +7,7 @@
 namespace crf {
 
 // Eight bytes per add: a word's bytes are added in byte lanes, at most 255 words per round so that no lane
-// overflows, then the lanes are added (gcc 12 leaves the byte-by-byte loop scalar; benchmarks/experiments/
-// gae-cpu-counts.md).
+// overflows, then the lanes are added (gcc leaves the byte-by-byte loop scalar).
 inline int64_t count_true(const void* mask, int64_t b, int64_t e) {
   const unsigned char* m = static_cast<const unsigned char*>(mask);
   int64_t c = 0, t = b;

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "modes.h"
+
 #if defined(__CUDACC__)
 #define CRF_HD __host__ __device__ __forceinline__
 #else
@@ -10,11 +12,6 @@
 #endif
 
 namespace crf {
-
-// How lambda is chosen per segment.
-enum LamMode : int64_t { kLamConst = 0, kLamAdaptiveSegment = 1, kLamAdaptiveRollout = 2, kLamTensor = 3 };
-// How segments of one rollout interact.
-enum CrossMode : int64_t { kCrossNone = 0, kCrossPaper = 1, kCrossStitched = 2 };
 
 // lam = 1 - 1/(alpha * l), l >= 1, clamped to [0, 1].
 CRF_HD double adaptive_lambda(int64_t length, double alpha) {
@@ -31,10 +28,15 @@ CRF_HD double power_count(double base, int64_t n) {
 }
 
 // Per-segment numbers every scan reads; `rollout_params` is the one place (for C++ and CUDA) that turns the
-// lambda and cross-segment modes into them (the Triton port: kernels/gae.py `_gae_params_kernel`).
+// lambda and cross-segment modes (csrc/common/modes.h) into them (the Triton port: kernels/gae_params.py).
 struct SegParams {
   double gl, glc, scale, reset;  // gamma*lam, gamma*lam_critic, adv scale, 1 if nothing flows in from after s
 };
+
+// Whether rollout_params reads the segments' trainable-token counts.
+CRF_HD bool needs_counts(int64_t lam_mode, int64_t cross) {
+  return cross == kCrossPaper || lam_mode == kLamAdaptiveSegment || lam_mode == kLamAdaptiveRollout;
+}
 
 // SegParams of the segments [s0, s1) of one rollout. counts[s]: trainable tokens of segment s (may be null
 // when neither adaptive lambda nor the paper's scale needs it); cu: token offsets [S+1]; lam_seg: [S] or null.

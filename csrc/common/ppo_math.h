@@ -95,7 +95,7 @@ CRF_HDI PpoToken ppo_token(float x, float adv, float ratio_lo, float ratio_hi, f
   const float rc = o.ratio < ratio_lo ? ratio_lo : (o.ratio > ratio_hi ? ratio_hi : o.ratio);
   // A = 0 with a ratio past float32 (x > ~88.7): the loss -A*ratio is 0 (the float64 reference and verl
   // say so), not 0 * inf = NaN. A NaN ratio stays NaN (NaN > max is false). Two plain selects: one on a
-  // compound condition ((adv == 0) & (ratio > max)) stopped gcc 12 from vectorising the CPU loop.
+  // compound condition ((adv == 0) & (ratio > max)) keeps gcc from vectorising the CPU loop.
   // Past float64 too (x > ~709.78, or +inf) the ratio is inf in the reference as well: no cap, -0 * inf = NaN.
   const bool inf64 = x > kLogRatioMax64;
   const float rcap = o.ratio > 3.40282347e38f ? 3.40282347e38f : o.ratio;
@@ -156,8 +156,8 @@ CRF_HDI float tis_scale(float l, float w, float d) {
 
 // l * w for a token's reduction weight w: 0 when w = 0 even if l overflowed float32 (a denominator of 0;
 // the float64 reference gives 0 there), NaN kept. Two plain selects with both arms computed first: the
-// one-line `w == 0 && l == l ? 0 : l * w` is control flow to gcc 12, and the CPU gradient loop that
-// calls it was no longer vectorised.
+// one-line `w == 0 && l == l ? 0 : l * w` is control flow to gcc, and the CPU gradient loop that calls
+// it would not be vectorised.
 template <typename F>
 CRF_HDI F weight_scale(F l, F w) {
   const F lw = l * w;

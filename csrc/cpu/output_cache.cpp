@@ -1,6 +1,6 @@
 // The CPU ops' large outputs come from blocks that earlier outputs of the same size class gave back, so a
 // call does not pay a minor page fault per 4 KiB of fresh memory whenever glibc has returned freed blocks
-// to the OS (which depends on what the process did before: benchmarks/results/cpu-output-cache.md).
+// to the OS (which depends on what the process did before).
 #include "../common/alloc.h"
 
 #include <ATen/EmptyTensor.h>

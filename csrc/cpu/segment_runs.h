@@ -8,8 +8,8 @@
 // masked per-token terms into a stack buffer, then `lane_sum` adds each buffer over kLanes float lanes
 // in a fixed order, and the chunks are added in double.
 //
-// What gcc 12 needs to vectorise the map loop (checked with objdump; `#pragma omp simd reduction` was
-// reported vectorised and then emitted scalar): no reductions in it, the mask read as a 32-bit int
+// What gcc needs to vectorise the map loop (`#pragma omp simd reduction` does not make it so): no
+// reductions in it, the mask read as a 32-bit int
 // (a bool selecting a float does not vectorise), no bool fields in per-token structs, both arms of
 // every select computed up front, and -fno-trapping-math on the kernel code (set with
 // `#pragma GCC optimize` around it), without which gcc will not if-convert selects of float math.
@@ -54,8 +54,8 @@ CRF_INLINE double lane_sum(const float* x, int64_t n) {
   return s;
 }
 
-// max(0, x[0..n)); drops NaN (a NaN check in this loop made the policy loss ~30% slower: callers that
-// must keep NaN look for it only when a sum of the same tokens came out NaN).
+// max(0, x[0..n)); drops NaN (a NaN check would keep this loop from vectorising: callers that must keep
+// NaN look for it only when a sum of the same tokens came out NaN).
 CRF_INLINE float lane_max(const float* x, int64_t n) {
   float acc[kLanes] = {};
   int64_t i = 0;

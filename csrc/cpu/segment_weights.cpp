@@ -1,8 +1,8 @@
 // segment_weights on CPU: the loss reductions' weight of each segment's tokens, float64 [S], in one call
 // (counts, the averaging unit's counts, D, the weights). Semantics: compactionrl_fast/ops/_reduction.py
 // (the Triton port: kernels/segments.py `_segment_weights_kernel`).
-//   reduction 0 "token-mean": 1/D, D = trainable tokens; 1 "segment-mean": 1/(n_s D), D = segments with a
-//   trainable token; 2 "rollout-mean": 1/(n_r D), D = rollouts with one; 3 "sum": 1. A given denominator
+//   reduction (csrc/common/modes.h) "token-mean": 1/D, D = trainable tokens; "segment-mean": 1/(n_s D), D =
+//   segments with a trainable token; "rollout-mean": 1/(n_r D), D = rollouts with one; "sum": 1. A given denominator
 //   (den >= 0, or the one-element tensor den_t) replaces D; 1/0 = 0; a negative or NaN D gives NaN.
 #include <torch/library.h>
 #include <torch/types.h>
@@ -10,6 +10,8 @@
 #include <cmath>
 #include <limits>
 #include <vector>
+
+#include "../common/modes.h"
 
 namespace {
 
@@ -33,11 +35,13 @@ at::Tensor segment_weights_cpu(const at::Tensor& loss_mask, const std::optional<
                                const std::optional<at::Tensor>& den_t) {
   TORCH_CHECK_TYPE(loss_mask.scalar_type() == at::kBool && loss_mask.dim() == 1,
                    "segment_weights: loss_mask must be a bool [T] tensor");
-  TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 3, "segment_weights: reduction must be 0..3");
+  TORCH_CHECK_VALUE(reduction >= crf::kReductionTokenMean && reduction <= crf::kReductionSum,
+                    "segment_weights: reduction must be ", (int64_t)crf::kReductionTokenMean, "..",
+                    (int64_t)crf::kReductionSum);
   auto mask = loss_mask.contiguous();
   const int64_t T = mask.numel();
   const bool given = den_t.has_value() || den >= 0;
-  if (reduction == 0 && given && !cu_seqlens.has_value()) {  // nothing to count
+  if (reduction == crf::kReductionTokenMean && given && !cu_seqlens.has_value()) {  // nothing to count
     at::Tensor out = at::empty({1}, mask.options().dtype(at::kDouble));
     out.fill_(inverse_denominator(den_t.has_value() ? den_t->to(at::kDouble).item<double>() : den));
     return out;
@@ -67,7 +71,7 @@ at::Tensor segment_weights_cpu(const at::Tensor& loss_mask, const std::optional<
   const int64_t S = (int64_t)n.size();
   at::Tensor out = at::empty({S}, mask.options().dtype(at::kDouble));
   double* w = out.data_ptr<double>();
-  if (reduction == 3) {
+  if (reduction == crf::kReductionSum) {
     for (int64_t s = 0; s < S; ++s) w[s] = 1.0;
     return out;
   }
@@ -79,9 +83,9 @@ at::Tensor segment_weights_cpu(const at::Tensor& loss_mask, const std::optional<
   // n_unit[s]: trainable tokens of segment s's averaging unit; D: the units with a trainable token
   std::vector<int64_t> unit(n);
   double D = 0;
-  if (reduction == 0) {
+  if (reduction == crf::kReductionTokenMean) {
     for (int64_t s = 0; s < S; ++s) D += (double)n[s];
-  } else if (reduction == 2 && cu_segments.has_value()) {
+  } else if (reduction == crf::kReductionRolloutMean && cu_segments.has_value()) {
     cg = cu_segments->contiguous();
     AT_DISPATCH_INDEX_TYPES(cg.scalar_type(), "segment_weights_rollouts", [&] {
       const index_t* cr = cg.data_ptr<index_t>();
@@ -97,7 +101,8 @@ at::Tensor segment_weights_cpu(const at::Tensor& loss_mask, const std::optional<
     for (int64_t s = 0; s < S; ++s) D += n[s] > 0;
   }
   const double inv_d = given ? inverse_denominator(d_given) : inverse_count(D);
-  for (int64_t s = 0; s < S; ++s) w[s] = reduction == 0 ? inv_d : inverse_count((double)unit[s]) * inv_d;
+  for (int64_t s = 0; s < S; ++s)
+    w[s] = reduction == crf::kReductionTokenMean ? inv_d : inverse_count((double)unit[s]) * inv_d;
   return out;
 }
 

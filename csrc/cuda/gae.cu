@@ -1,5 +1,5 @@
-// Torch binding of the CUDA segment_gae kernels (csrc/cuda/gae_kernels.cuh). The schema is defined next to
-// the CPU kernel (csrc/cpu/gae.cpp); Python semantics and validation: compactionrl_fast/ops/gae.py.
+// Torch binding of the CUDA segment_gae kernels (csrc/cuda/gae_kernels.cuh). Schema: csrc/schemas.cpp;
+// Python semantics and validation: compactionrl_fast/ops/gae.py.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -58,8 +58,7 @@ std::tuple<at::Tensor, at::Tensor> segment_gae_cuda(const at::Tensor& rewards, c
   auto adv = crf::empty_output({T}, rew.options()), ret = crf::empty_output({T}, rew.options());
   if (T == 0) return {adv, ret};
   // scratch: per-segment counts and numbers, per-tile carry maps and carry-ins
-  const bool need_counts = cross == crf::kCrossPaper || lam_mode == crf::kLamAdaptiveSegment ||
-                           lam_mode == crf::kLamAdaptiveRollout;
+  const bool need_counts = crf::needs_counts(lam_mode, cross);
   auto f64 = rew.options().dtype(at::kDouble);
   at::Tensor counts = need_counts ? at::empty({S}, rew.options().dtype(at::kLong)) : at::Tensor();
   at::Tensor seg = at::empty({S, (int64_t)(sizeof(crf::SegParams) / sizeof(double))}, f64);

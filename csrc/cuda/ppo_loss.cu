@@ -1,5 +1,5 @@
-// Torch binding of the CUDA ppo_policy_loss kernels (csrc/cuda/ppo_loss_kernels.cuh). The schema is
-// defined next to the CPU kernel (csrc/cpu/ppo_loss.cpp); Python semantics: compactionrl_fast/ops/ppo_loss.py.
+// Torch binding of the CUDA ppo_policy_loss kernels (csrc/cuda/ppo_loss_kernels.cuh). Schema:
+// csrc/schemas.cpp; Python semantics: compactionrl_fast/ops/ppo_loss.py.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -1,5 +1,5 @@
-// Torch binding of the CUDA value_loss kernels (csrc/cuda/value_loss_kernels.cuh). The schema is defined
-// next to the CPU kernel (csrc/cpu/value_loss.cpp); Python semantics: compactionrl_fast/ops/value_loss.py.
+// Torch binding of the CUDA value_loss kernels (csrc/cuda/value_loss_kernels.cuh). Schema: csrc/schemas.cpp;
+// Python semantics: compactionrl_fast/ops/value_loss.py.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>

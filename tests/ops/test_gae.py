@@ -12,7 +12,7 @@ import torch
 
 import compactionrl_fast as crf
 from compactionrl_fast.ops import gae as ops_gae
-from compactionrl_fast.ops._dispatch import available
+from compactionrl_fast.ops._dispatch import available, cpp_ext
 from compactionrl_fast.reference import gae as ref
 from tests.utils import RecordOps, SHAPE_TABLE, check_gae_accuracy, packed_batch, random_case
 
@@ -20,14 +20,18 @@ if "triton" in available(torch.device("cpu")):
     import triton
     import triton.language as tl
 
-    from compactionrl_fast.kernels import gae as kgae
+    from compactionrl_fast.kernels import gae_scan as kgae
     from tests import _interp_scan
 
     _interp_scan.install()  # log-step scans in the Triton interpreter (see tests/_interp_scan.py)
 
     @triton.jit
+    def _add(a, b):
+        return a + b
+
+    @triton.jit
     def _scan_kernel(x_ptr, out_ptr, N: tl.constexpr, OP: tl.constexpr):
-        # the scans of kernels/gae.py on rows of x: 9-row _compose, 6-row _compose_adv, int64 _add
+        # the scans of kernels/gae_scan.py on rows of x: 9-row _compose, 6-row _compose_adv; an int64 _add
         o = tl.arange(0, N)
         if OP == 0:
             r = tl.associative_scan(tuple(tl.load(x_ptr + i * N + o) for i in tl.static_range(9)), 0, kgae._compose)
@@ -39,7 +43,7 @@ if "triton" in available(torch.device("cpu")):
             for i in tl.static_range(6):
                 tl.store(out_ptr + i * N + o, r[i])
         else:
-            tl.store(out_ptr + o, tl.associative_scan(tl.load(x_ptr + o).to(tl.int64), 0, kgae._add).to(tl.float64))
+            tl.store(out_ptr + o, tl.associative_scan(tl.load(x_ptr + o).to(tl.int64), 0, _add).to(tl.float64))
 
 BACKENDS = [b for b in ("cpp", "triton", "cuda") if b in available(torch.device("cpu"))]
 MODES = ["paper", "none", "stitched"]
@@ -638,7 +642,14 @@ def test_lookback_plan_matches_reference(monkeypatch, mode, tile, case, incl_eve
     from compactionrl_fast.kernels import gae as kgae
 
     monkeypatch.setattr(kgae, "segment_gae_fwd", functools.partial(kgae.segment_gae_fwd, plan="lookback", tile=tile,
-                                                                   block=min(tile, 4096), incl_every=incl_every))
+                                                                   block=min(tile, 4096)))
+    kernel = kgae._gae_lookback_kernel
+
+    class WithInclEvery:  # the kernel launched with INCL_EVERY=incl_every (the launcher leaves it at 1)
+        def __getitem__(self, grid):
+            return functools.partial(kernel[grid], INCL_EVERY=incl_every)
+
+    monkeypatch.setattr(kgae, "_gae_lookback_kernel", WithInclEvery())
     shape = random_case(4, n_rollouts=7, max_len=300) if case == "random" else SHAPE_TABLE[case]
     b = packed_batch(shape, seed=3, index_dtype=torch.int64)
     _check_backend("triton", b, cross_segment=mode, **LOOKBACK_KW[mode])
@@ -774,7 +785,7 @@ def test_triton_placed_segments_in_every_chunk_plan(monkeypatch, chunk):
 @pytest.mark.skipif("cpp" not in BACKENDS, reason="the C++ extension is not built")
 @pytest.mark.parametrize("seed", range(3))
 def test_cpu_simd_paths_give_the_same_bits(seed, monkeypatch):
-    """COMPACTIONRL_FAST_CPU_SIMD picks the CPU scan's vector path (8 lanes with AVX-512, 4 with AVX2, 4 scalar
+    """_C.cpu_simd (default: COMPACTIONRL_FAST_CPU_SIMD) picks the CPU scan's vector path (8 lanes with AVX-512, 4 with AVX2, 4 scalar
     lanes); all do the same float64 arithmetic per token, so a result does not depend on the CPU it ran on.
     20 rollouts: lanes are refilled, segment ends fall inside the 8- and 4-token vector steps."""
     b = packed_batch(random_case(seed, n_rollouts=20), seed=seed, index_dtype=[torch.int32, torch.int64][seed % 2])
@@ -794,16 +805,17 @@ LONG_CHAIN = [[(30000, "rand"), (0, "all"), (25001, "rand"), (5, "none"), (20000
 
 def _cpu_paths_agree(monkeypatch, b, **kw):
     """The C++ op gives the same bits on AVX-512 (where the CPU has it), AVX2 and scalar, on 1 and 2 threads."""
-    outs = []
+    outs, ext = [], cpp_ext()
+    prev_simd = ext.cpu_simd()
     for simd, threads in [("auto", 1), ("avx512", 1), ("avx2", 1), ("none", 1), ("auto", 2)]:
-        monkeypatch.setenv("COMPACTIONRL_FAST_CPU_SIMD", simd)
+        ext.cpu_simd(simd)
         prev = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
             outs.append(crf.segment_gae(**b, backend="cpp", **kw))
         finally:
             torch.set_num_threads(prev)
-    monkeypatch.delenv("COMPACTIONRL_FAST_CPU_SIMD")
+            ext.cpu_simd(prev_simd)
     for o in outs[1:]:
         assert torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1]), kw
 
@@ -831,11 +843,12 @@ def test_cpu_long_chains_cut_into_pieces(monkeypatch):
     assert torch.equal(got[0][where], want[0]) and torch.equal(got[1][where], want[1])
     values = b["values"].clone()
     values[60000] = float("nan")  # in the stitched rollout's last segment, a later piece than most of it
-    serial = torch.ops.compactionrl_fast.segment_gae_serial
-    for cross in (1, 2):  # paper, stitched
-        args = (b["rewards"], values, b["loss_mask"], b["cu_seqlens"], b["cu_segments"], None, 0.999, 0.99, 0, 1.5,
-                cross, 1.0, None)
-        got, want = torch.ops.compactionrl_fast.segment_gae(*args), serial(*args)
+    for cross in ("paper", "stitched"):  # against the one-rollout-at-a-time loops of the reference
+        kw = dict(gamma=0.999, lam=0.99, cross_segment=cross, lam_critic=1.0)
+        got = crf.segment_gae(b["rewards"], values, b["loss_mask"], b["cu_seqlens"], b["cu_segments"], backend="cpp",
+                              **kw)
+        want = [x.float() for x in ref.segment_gae(b["rewards"], values, b["loss_mask"], b["cu_seqlens"],
+                                                   b["cu_segments"], **kw)]
         for g, w in zip(got, want):
             assert torch.equal(g.isnan(), w.isnan()), cross
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
@@ -855,11 +868,23 @@ def test_cpu_pieces_that_only_leave_their_state(monkeypatch):
 
 
 @pytest.mark.skipif("cpp" not in BACKENDS, reason="the C++ extension is not built")
-def test_cpu_simd_setting_is_checked(monkeypatch):
-    monkeypatch.setenv("COMPACTIONRL_FAST_CPU_SIMD", "sse9")
-    b = packed_batch(random_case(0), seed=0)
-    with pytest.raises(ValueError, match="COMPACTIONRL_FAST_CPU_SIMD"):
-        crf.segment_gae(**b, backend="cpp")
+def test_cpu_simd_setting_is_checked():
+    """A bad name is a ValueError, from _C.cpu_simd and from COMPACTIONRL_FAST_CPU_SIMD (read at the first call,
+    so in a fresh process)."""
+    import os
+    import subprocess
+    import sys
+
+    with pytest.raises(ValueError, match="cpu_simd must be auto, avx512, avx2 or none, got 'sse9'"):
+        cpp_ext().cpu_simd("sse9")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = ("import torch, compactionrl_fast as crf\n"
+              "from tests.utils import packed_batch, random_case\n"
+              "try:\n    crf.segment_gae(**packed_batch(random_case(0), seed=0), backend='cpp')\n"
+              "except ValueError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, COMPACTIONRL_FAST_CPU_SIMD="sse9", PYTHONPATH=root))
+    assert "COMPACTIONRL_FAST_CPU_SIMD must be auto, avx512, avx2 or none, got 'sse9'" in out.stdout, out.stderr
 
 
 # ---------------------------------------------------------------- the Python entry on the cpp and torch backends, fast
@@ -1254,7 +1279,7 @@ def test_fake_impl_is_registered_for_the_cpp_ops():
     # FakeTensorMode runs a registered fake impl instead of the kernel (it refuses an op without one)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    names = [n for n in ("segment_gae", "segment_gae_serial") if hasattr(torch.ops.compactionrl_fast, n)]
+    names = [n for n in ("segment_gae",) if hasattr(torch.ops.compactionrl_fast, n)]
     with FakeTensorMode():
         r, mask, cu = torch.zeros(7), torch.ones(7, dtype=torch.bool), torch.tensor([0, 7])
         for n in names:

@@ -1,0 +1,87 @@
+"""The ops' modes, defined once: each mode's name (what the Python API takes) and integer code (what the
+kernels read). Imported by the package (compactionrl_fast/ops/*) and the Triton kernels (kernels/*); the
+C++/CUDA code reads the same codes from csrc/common/modes.h, which this module writes:
+
+    python -m kernels.modes --write-header     (after editing a table; tests/test_modes.py checks it)
+
+A Python constant is PREFIX_NAME (CROSS_STITCHED), its C++ constant kPrefixName (crf::kCrossStitched).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# cross_segment (segment_gae): how the segments of one rollout interact. "none": each segment its own
+# recurrence; "paper": the same, advantages scaled by (gamma*lam)^N_later; "stitched": one recurrence
+# across the rollout's segments.
+CROSS_NONE, CROSS_PAPER, CROSS_STITCHED = 0, 1, 2
+CROSS_SEGMENT = {"none": CROSS_NONE, "paper": CROSS_PAPER, "stitched": CROSS_STITCHED}
+
+# lambda (segment_gae): how each segment's lambda is chosen. A float; 1 - 1/(alpha * n) with n the trainable
+# tokens of the segment or of its rollout (lam="adaptive", adaptive_length); a per-segment tensor.
+LAM_CONST, LAM_ADAPTIVE_SEGMENT, LAM_ADAPTIVE_ROLLOUT, LAM_TENSOR = 0, 1, 2, 3
+LAMBDA = {"const": LAM_CONST, "adaptive-segment": LAM_ADAPTIVE_SEGMENT, "adaptive-rollout": LAM_ADAPTIVE_ROLLOUT,
+          "tensor": LAM_TENSOR}
+
+# reduction (the losses, segment_weights): the weight of a token, see compactionrl_fast/ops/_reduction.py.
+REDUCTION_TOKEN_MEAN, REDUCTION_SEGMENT_MEAN, REDUCTION_ROLLOUT_MEAN, REDUCTION_SUM = 0, 1, 2, 3
+REDUCTION = {"token-mean": REDUCTION_TOKEN_MEAN, "segment-mean": REDUCTION_SEGMENT_MEAN,
+             "rollout-mean": REDUCTION_ROLLOUT_MEAN, "sum": REDUCTION_SUM}
+
+# reward placement (place_final_rewards): "paper": a rollout's reward on the last trainable token of each of
+# its segments; "stitched": on the rollout's last trainable token only.
+REWARD_PAPER, REWARD_STITCHED = 0, 1
+REWARD_PLACEMENT = {"paper": REWARD_PAPER, "stitched": REWARD_STITCHED}
+
+# group -> (its names and codes, the constants' prefix, the C++ enum)
+TABLE = {
+    "cross_segment": (CROSS_SEGMENT, "CROSS", "CrossMode"),
+    "lambda": (LAMBDA, "LAM", "LamMode"),
+    "reduction": (REDUCTION, "REDUCTION", "Reduction"),
+    "reward_placement": (REWARD_PLACEMENT, "REWARD", "RewardPlacement"),
+}
+
+HEADER = os.path.join("csrc", "common", "modes.h")  # relative to the repository root
+
+
+def constant_name(prefix: str, name: str) -> str:
+    """The Python constant of a mode: ("CROSS", "stitched") -> "CROSS_STITCHED"."""
+    return f"{prefix}_{name.upper().replace('-', '_')}"
+
+
+def cpp_name(prefix: str, name: str) -> str:
+    """The C++ constant of a mode: ("LAM", "adaptive-rollout") -> "kLamAdaptiveRollout"."""
+    return "k" + "".join(w.capitalize() for w in constant_name(prefix, name).split("_"))
+
+
+def header() -> str:
+    """The text of csrc/common/modes.h."""
+    lines = ["// Generated from kernels/modes.py by `python -m kernels.modes --write-header`: edit the table there.",
+             "// The ops' mode codes for the C++/CUDA kernels; tests/test_modes.py checks this file is current.",
+             "#pragma once", "#include <cstdint>", "", "namespace crf {", ""]
+    for group, (modes, prefix, enum) in TABLE.items():
+        items = [f"{cpp_name(prefix, n)} = {c}" for n, c in modes.items()]
+        one_line = f"enum {enum} : int64_t {{ {', '.join(items)} }};"
+        lines += [f"// {group}"] + ([one_line] if len(one_line) <= 110 else
+                                    [f"enum {enum} : int64_t {{"] + [f"  {x}," for x in items] + ["};"]) + [""]
+    lines += ["}  // namespace crf", "",
+              "// Every mode as X(group, name, constant), e.g. to expose them to Python (csrc/module.cpp).",
+              "#define CRF_MODES(X) \\"]
+    rows = [f'  X("{group}", "{n}", crf::{cpp_name(prefix, n)})'
+            for group, (modes, prefix, _) in TABLE.items() for n in modes]
+    lines += [r + " \\" for r in rows[:-1]] + [rows[-1], ""]
+    return "\n".join(lines)
+
+
+def main(argv):
+    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # kernels/ sits in the repository root
+    if argv != ["--write-header"]:
+        sys.exit("usage: python -m kernels.modes --write-header")
+    path = os.path.join(root, HEADER)
+    with open(path, "w") as f:
+        f.write(header())
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -124,15 +124,3 @@ def segment_weights(counts, cu_segments, reduction, den=None):
                                       out, S, R, max(1, R.bit_length()), hi, lo, REDUCTION=reduction,
                                       HAS_CS=cu_segments is not None, DEN=kind, BLOCK=block)
     return out
-
-
-def _sig(idx):
-    return {"mask_ptr": "*u8", "cu_ptr": f"*{idx}", "counts_ptr": "*i64", "T": "i64"}
-
-
-# compiled ahead of time for sm_80/sm_90 by tests/test_aot.py
-AOT_SPECS = [("_segment_counts_kernel", _sig(idx), {"BLOCK": BLOCK}) for idx in ("i32", "i64")]
-_W_SIG = dict(counts_ptr="*i64", cs_ptr="*i64", den_ptr="*fp64", prefix_ptr="*fp64", out_ptr="*fp64", S="i64", R="i64",
-              LOG_R="i32", den_hi="fp32", den_lo="fp32")
-AOT_SPECS += [("_segment_weights_kernel", _W_SIG, {"REDUCTION": red, "HAS_CS": cs, "DEN": den, "BLOCK": WEIGHTS_BLOCK})
-              for red, cs, den in [(0, False, 0), (1, False, 1), (2, True, 2), (2, True, 0), (3, False, 0)]]

@@ -7,7 +7,8 @@ Run from the repository root (or a copy of it). Prints one line per op and exits
 - an op has neither a CPU kernel nor a device-generic (CompositeExplicitAutograd) one,
 - with --require-cuda: the extension was built without CUDA (WITH_CUDA=0), or an op that csrc/cuda
   registers a CUDA kernel for has none (the CUDA objects were not linked in).
-Ops with only a CPU kernel (value_head_*, segment_counts) run on CUDA tensors through Triton or torch.
+Ops with only a CPU kernel (value_head_*, segment_counts, segment_gae_params) run on CUDA tensors through Triton
+or torch.
 """
 from __future__ import annotations
 

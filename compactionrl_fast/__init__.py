@@ -6,7 +6,7 @@ transformers import). The public API is listed in `__all__`; see docs/ and the R
 """
 import importlib
 
-from .ops import place_final_rewards, segment_gae
+from .ops import place_final_rewards, segment_gae, segment_params
 from .ops import linear_logprobs, linear_logprobs_loss
 from .ops import (global_denominator, global_token_count, ppo_policy_loss, value_head, value_head_loss,
                   value_loss)
@@ -27,7 +27,7 @@ _LAZY = {
 }
 _SUBMODULES = ("packing", "rollout", "envs", "train", "integrations", "reference", "demo", "cli")
 
-__all__ = ["segment_gae", "place_final_rewards", "available_backends", "output_cache", "__version__"]
+__all__ = ["segment_gae", "segment_params", "place_final_rewards", "available_backends", "output_cache", "__version__"]
 __all__ += ["linear_logprobs", "linear_logprobs_loss"]
 __all__ += ["ppo_policy_loss", "value_loss", "value_head", "value_head_loss", "global_token_count",
             "global_denominator"]

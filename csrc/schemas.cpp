@@ -9,6 +9,10 @@ TORCH_LIBRARY(compactionrl_fast, m) {
       "segment_gae(Tensor rewards, Tensor values, Tensor loss_mask, Tensor cu_seqlens, Tensor cu_segments, "
       "Tensor? lam_seg, float gamma, float lam, int lam_mode, float alpha, int cross, float lam_critic, "
       "Tensor? seg_start=None) -> (Tensor, Tensor)");
+  // Its per-segment numbers alone, float64 [4, S] (csrc/cpu/gae.cpp; CUDA tensors: the Triton op).
+  m.def(
+      "segment_gae_params(Tensor loss_mask, Tensor cu_seqlens, Tensor cu_segments, Tensor? lam_seg, float gamma, "
+      "float lam, int lam_mode, float alpha, int cross, float lam_critic) -> Tensor");
 
   // Loss reductions' per-segment metadata (csrc/cpu/segment_counts.cpp, csrc/cpu/segment_weights.cpp);
   // reduction: csrc/common/modes.h.

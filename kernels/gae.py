@@ -98,6 +98,11 @@ def gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_cr
     return params
 
 
+def segment_gae_params(loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic):
+    """`gae_params` launched on the tensors' device: the per-segment numbers alone, float64 [4, S]."""
+    with device_guard(loss_mask):
+        return gae_params(loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic)
+
 
 def segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha,
                     cross, lam_critic, seg_start=None, *, block=None, chunk=None, plan=None, tile=None):

@@ -188,20 +188,3 @@ def ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs
             T, S, search_steps(S), 1.0 - clip_low, 1.0 + clip_high, dual_clip, tis_cap,
             HAS_TIS=rollout_logprobs is not None, PER_SEG=S > 1, NEED_GRAD=need_grad, BT=BT, FB=FINISH_BLOCKS)
     return loss, metrics, grad
-
-
-# What tests/test_aot.py compiles for sm_80/sm_90: every feature-flag combination that matters, both
-# index dtypes.
-def _aot_sig(idx):
-    return {"logp": "*fp32", "old": "*fp32", "adv": "*fp32", "roll": "*fp32", "mask": "*i1", "cu": f"*{idx}",
-            "scale": "*fp64", "grad": "*fp32", "part": "*fp32", "ticket": "*i32", "loss_out": "*fp32",
-            "metrics_out": "*fp32", "T": "i32", "S": "i32", "n_iter": "i32", "ratio_lo": "fp32", "ratio_hi": "fp32",
-            "dual_c": "fp32", "tis_cap": "fp32", "HAS_TIS": "constexpr", "PER_SEG": "constexpr",
-            "NEED_GRAD": "constexpr", "BT": "constexpr", "FB": "constexpr"}
-
-
-AOT_SPECS = [
-    ("ppo_loss_fwd_kernel", _aot_sig(idx), {"HAS_TIS": tis, "PER_SEG": per_seg, "NEED_GRAD": True, "BT": 1024,
-                                               "FB": FINISH_BLOCKS})
-    for idx, tis, per_seg in [("i32", False, False), ("i32", True, True), ("i64", False, True)]
-]

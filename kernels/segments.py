@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
+from . import modes
 from ._launch import device_guard
 
 BLOCK = 1024  # mask bytes per loop step on GPU
@@ -45,11 +46,12 @@ def segment_counts(loss_mask, cu_seqlens):
 def _segment_weights_kernel(counts_ptr, cs_ptr, den_ptr, prefix_ptr, out_ptr, S, R, LOG_R, den_hi, den_lo,
                             REDUCTION: tl.constexpr, HAS_CS: tl.constexpr, DEN: tl.constexpr, BLOCK: tl.constexpr):
     """The loss reductions' weight of each segment, float64 [S], one program (the port of
-    csrc/cpu/segment_weights.cpp): 0 token-mean 1/D, 1 segment-mean 1/(n_s D), 2 rollout-mean 1/(n_r D),
-    3 sum 1. DEN: 0 D counted here, 1 the float den_hi + den_lo, 2 the one-element tensor at den_ptr."""
+    csrc/cpu/segment_weights.cpp), REDUCTION a code of kernels/modes.py: token-mean 1/D, segment-mean
+    1/(n_s D), rollout-mean 1/(n_r D), sum 1. DEN: 0 D counted here, 1 the float den_hi + den_lo, 2 the
+    one-element tensor at den_ptr."""
     o_b = tl.arange(0, BLOCK)
     d = tl.zeros([1], tl.float64)
-    ROLLOUTS: tl.constexpr = REDUCTION == 2 and HAS_CS
+    ROLLOUTS: tl.constexpr = REDUCTION == modes.REDUCTION_ROLLOUT_MEAN and HAS_CS
     if ROLLOUTS:  # inclusive prefix sums of the counts, for each rollout's total
         carry = tl.zeros([1], tl.float64)
         for i in range(tl.cdiv(S, BLOCK)):
@@ -65,11 +67,11 @@ def _segment_weights_kernel(counts_ptr, cs_ptr, den_ptr, prefix_ptr, out_ptr, S,
             n_r = tl.load(prefix_ptr + hi - 1, mask=(o < R) & (hi > 0), other=0.0) - tl.load(
                 prefix_ptr + lo - 1, mask=(o < R) & (lo > 0), other=0.0)
             d += tl.sum(tl.where((o < R) & (n_r > 0), 1.0, 0.0), 0)
-    elif REDUCTION != 3:
+    elif REDUCTION != modes.REDUCTION_SUM:
         for i in range(tl.cdiv(S, BLOCK)):
             o = i * BLOCK + o_b
             c = tl.load(counts_ptr + o, mask=o < S, other=0).to(tl.float64)
-            if REDUCTION == 0:
+            if REDUCTION == modes.REDUCTION_TOKEN_MEAN:
                 d += tl.sum(c, 0)
             else:
                 d += tl.sum(tl.where(c > 0, 1.0, 0.0), 0)
@@ -83,9 +85,9 @@ def _segment_weights_kernel(counts_ptr, cs_ptr, den_ptr, prefix_ptr, out_ptr, S,
         inv_d = tl.where(d > 0, 1.0 / tl.where(d > 0, d, 1.0), tl.where(d == 0, 0.0, float("nan")))
     for i in range(tl.cdiv(S, BLOCK)):
         o = i * BLOCK + o_b
-        if REDUCTION == 3:
+        if REDUCTION == modes.REDUCTION_SUM:
             w = tl.zeros([BLOCK], tl.float64) + 1.0
-        elif REDUCTION == 0:
+        elif REDUCTION == modes.REDUCTION_TOKEN_MEAN:
             w = tl.zeros([BLOCK], tl.float64) + inv_d
         else:
             if ROLLOUTS:  # the rollout of each segment: the largest r with cs[r] <= s, by bisection
@@ -105,13 +107,13 @@ def _segment_weights_kernel(counts_ptr, cs_ptr, den_ptr, prefix_ptr, out_ptr, S,
 
 def segment_weights(counts, cu_segments, reduction, den=None):
     """Per-segment weights float64 [S] from counts int64 [S] (see `_segment_weights_kernel`); cu_segments:
-    [R+1] or None; reduction: 0..3; den: None, a float or a one-element tensor."""
+    [R+1] or None; reduction: a code of modes.REDUCTION; den: None, a float or a one-element tensor."""
     S = counts.numel()
     out = torch.empty(S, dtype=torch.float64, device=counts.device)
     if S == 0:
         return out
     R = 0 if cu_segments is None else cu_segments.numel() - 1
-    rollouts = reduction == 2 and cu_segments is not None
+    rollouts = reduction == modes.REDUCTION_ROLLOUT_MEAN and cu_segments is not None
     prefix = torch.empty(S if rollouts else 1, dtype=torch.float64, device=counts.device)
     kind = 0 if den is None else (2 if isinstance(den, torch.Tensor) else 1)
     hi = float(np.float32(den)) if kind == 1 else 0.0
@@ -119,18 +121,6 @@ def segment_weights(counts, cu_segments, reduction, den=None):
     block = WEIGHTS_BLOCK if counts.device.type == "cuda" else triton.next_power_of_2(max(S, R, 16))
     with device_guard(counts):
         _segment_weights_kernel[(1,)](counts, cu_segments if rollouts else counts, den if kind == 2 else out, prefix,
-                                      out, S, R, max(1, R.bit_length()), hi, lo, REDUCTION=reduction, HAS_CS=cu_segments is not None, DEN=kind,
-                                      BLOCK=block)
+                                      out, S, R, max(1, R.bit_length()), hi, lo, REDUCTION=reduction,
+                                      HAS_CS=cu_segments is not None, DEN=kind, BLOCK=block)
     return out
-
-
-def _sig(idx):
-    return {"mask_ptr": "*u8", "cu_ptr": f"*{idx}", "counts_ptr": "*i64", "T": "i64"}
-
-
-# compiled ahead of time for sm_80/sm_90 by tests/test_aot.py
-AOT_SPECS = [("_segment_counts_kernel", _sig(idx), {"BLOCK": BLOCK}) for idx in ("i32", "i64")]
-_W_SIG = dict(counts_ptr="*i64", cs_ptr="*i64", den_ptr="*fp64", prefix_ptr="*fp64", out_ptr="*fp64", S="i64", R="i64",
-              LOG_R="i32", den_hi="fp32", den_lo="fp32")
-AOT_SPECS += [("_segment_weights_kernel", _W_SIG, {"REDUCTION": red, "HAS_CS": cs, "DEN": den, "BLOCK": WEIGHTS_BLOCK})
-              for red, cs, den in [(0, False, 0), (1, False, 1), (2, True, 2), (2, True, 0), (3, False, 0)]]

@@ -136,18 +136,3 @@ def value_loss_fwd(values, old_values, returns, loss_mask, cu_seqlens, seg_scale
             grad, part, ticket, loss, metrics, T, S, search_steps(S), max(clip, 0.0), USE_CLIP=clip >= 0,
             PER_SEG=S > 1, NEED_GRAD=need_grad, BT=BT, FB=FINISH_BLOCKS, num_warps=NUM_WARPS)
     return loss, metrics, grad
-
-
-def _aot_sig(idx):
-    return {"v": "*fp32", "old": "*fp32", "ret": "*fp32", "mask": "*i1", "cu": f"*{idx}", "scale": "*fp64",
-            "grad": "*fp32", "part": "*fp32", "ticket": "*i32", "loss_out": "*fp32", "metrics_out": "*fp32",
-            "T": "i32", "S": "i32", "n_iter": "i32", "eps": "fp32", "USE_CLIP": "constexpr", "PER_SEG": "constexpr",
-            "NEED_GRAD": "constexpr", "BT": "constexpr", "FB": "constexpr"}
-
-
-# What tests/test_aot.py compiles for sm_80/sm_90.
-AOT_SPECS = [
-    ("value_loss_fwd_kernel", _aot_sig(idx), {"USE_CLIP": clip, "PER_SEG": per_seg, "NEED_GRAD": True, "BT": 1024,
-                                                 "FB": FINISH_BLOCKS}, {"num_warps": NUM_WARPS})
-    for idx, clip, per_seg in [("i32", True, False), ("i32", False, True), ("i64", True, True)]
-]

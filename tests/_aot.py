@@ -1,14 +1,12 @@
 """Ahead-of-time compilation of the Triton kernels and the CUDA sources for sm_80 and sm_90, on a
 machine with no GPU, and resource usage read from the cubins with cuobjdump.
 
-What to compile for a kernels/ module: tests/_aot_specs.py `SPECS[module]`, else the module's own
-`AOT_SPECS`: a list of (kernel name, signature dict, constexpr dict) as `triton.compiler.ASTSource` takes
-them, and optionally a fourth item, the compile options its launcher passes (e.g. {"num_warps": 8};
-default: Triton's). Triton runs in a subprocess with the interpreter off (the test process has it on).
+What to compile for a kernels/ module: tests/_aot_specs.py `SPECS[module]`, a list of (kernel name, signature
+dict, constexpr dict) as `triton.compiler.ASTSource` takes them, and optionally a fourth item, the compile
+options its launcher passes (e.g. {"num_warps": 8}; default: Triton's). Triton runs in a subprocess with the interpreter off (the test process has it on).
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -61,11 +59,10 @@ def resource_usage(cubin: str) -> dict[str, dict[str, int]]:
 
 
 def aot_specs(module: str) -> list:
-    """The AOT specs of `module` (compactionrl_fast.kernels.<name>): tests/_aot_specs.py's, else its AOT_SPECS."""
+    """The AOT specs of `module` (compactionrl_fast.kernels.<name>): tests/_aot_specs.py's (none: [])."""
     from tests._aot_specs import SPECS
 
-    name = module.rsplit(".", 1)[-1]
-    return list(SPECS[name]) if name in SPECS else list(getattr(importlib.import_module(module), "AOT_SPECS", []))
+    return list(SPECS.get(module.rsplit(".", 1)[-1], []))
 
 
 def compile_triton_module(module: str):

@@ -1,14 +1,19 @@
-"""What tests/test_aot.py compiles ahead of time for the kernels/ modules that do not list it themselves:
+"""What tests/test_aot.py compiles ahead of time for sm_80/sm_90, for every kernels/ module with Triton kernels:
 per module, [(kernel name, signature, constexprs[, compile options])] as `triton.compiler.ASTSource` takes
-them (tests/_aot.py). The other kernels/*.py modules still list theirs in their own `AOT_SPECS`.
+them (tests/_aot.py). Test-only: the kernels/ modules themselves carry no AOT list.
 
 segment_gae (kernels/gae_*.py): every flag combination with int64 offsets, the default path (WRITE,
 OWN_CRITIC) with int32 offsets too, and the sizes as the JIT types them for a usual call (a Python int below
 2^31 is an i32 argument). The loss mask is passed as the bool tensor itself (*i1: Triton loads its bytes).
 """
+from compactionrl_fast.kernels import linear_logprobs as klp
+from compactionrl_fast.kernels import segments as kseg
 from compactionrl_fast.kernels.gae import BLOCK, CARRY_BLOCK, LOOKBACK_TILE, PARAMS_BLOCK
 from compactionrl_fast.kernels.modes import (CROSS_NONE, CROSS_PAPER, CROSS_STITCHED, LAM_ADAPTIVE_ROLLOUT,
-                                             LAM_ADAPTIVE_SEGMENT, LAM_CONST, LAM_TENSOR)
+                                             LAM_ADAPTIVE_SEGMENT, LAM_CONST, LAM_TENSOR, REDUCTION_ROLLOUT_MEAN,
+                                             REDUCTION_SEGMENT_MEAN, REDUCTION_SUM, REDUCTION_TOKEN_MEAN)
+from compactionrl_fast.kernels.ppo_loss import FINISH_BLOCKS
+from compactionrl_fast.kernels.value_loss import NUM_WARPS as VALUE_LOSS_WARPS
 
 
 def _offsets(idx):
@@ -60,4 +65,83 @@ _LOOKBACK = [("_gae_lookback_kernel", sig, {"TILE": LOOKBACK_TILE, "BLOCK": BLOC
              for sig, own, start in [(_LOOKBACK_SIG, True, False), (_LOOKBACK_SIG, False, False),
                                      (_LOOKBACK_SIG, True, True), (_small(dict(_LOOKBACK_SIG, cu_ptr="*i32")), True, False)]]
 
-SPECS = {"gae_params": _PARAMS, "gae_chunk": _CHUNK, "gae_lookback": _LOOKBACK}
+
+# ppo_loss, value_loss: every feature-flag combination that matters, both index dtypes.
+def _ppo_sig(idx):
+    return {"logp": "*fp32", "old": "*fp32", "adv": "*fp32", "roll": "*fp32", "mask": "*i1", "cu": f"*{idx}",
+            "scale": "*fp64", "grad": "*fp32", "part": "*fp32", "ticket": "*i32", "loss_out": "*fp32",
+            "metrics_out": "*fp32", "T": "i32", "S": "i32", "n_iter": "i32", "ratio_lo": "fp32", "ratio_hi": "fp32",
+            "dual_c": "fp32", "tis_cap": "fp32", "HAS_TIS": "constexpr", "PER_SEG": "constexpr",
+            "NEED_GRAD": "constexpr", "BT": "constexpr", "FB": "constexpr"}
+
+
+_PPO = [("ppo_loss_fwd_kernel", _ppo_sig(idx), {"HAS_TIS": tis, "PER_SEG": per_seg, "NEED_GRAD": True, "BT": 1024,
+                                                "FB": FINISH_BLOCKS})
+        for idx, tis, per_seg in [("i32", False, False), ("i32", True, True), ("i64", False, True)]]
+
+
+def _value_loss_sig(idx):
+    return {"v": "*fp32", "old": "*fp32", "ret": "*fp32", "mask": "*i1", "cu": f"*{idx}", "scale": "*fp64",
+            "grad": "*fp32", "part": "*fp32", "ticket": "*i32", "loss_out": "*fp32", "metrics_out": "*fp32",
+            "T": "i32", "S": "i32", "n_iter": "i32", "eps": "fp32", "USE_CLIP": "constexpr", "PER_SEG": "constexpr",
+            "NEED_GRAD": "constexpr", "BT": "constexpr", "FB": "constexpr"}
+
+
+_VALUE_LOSS = [("value_loss_fwd_kernel", _value_loss_sig(idx),
+                {"USE_CLIP": clip, "PER_SEG": per_seg, "NEED_GRAD": True, "BT": 1024, "FB": FINISH_BLOCKS},
+                {"num_warps": VALUE_LOSS_WARPS})
+               for idx, clip, per_seg in [("i32", True, False), ("i32", False, True), ("i64", True, True)]]
+
+# value_head: forward in bf16 and fp32, backward in every hidden dtype.
+_VALUE_HEAD = [
+    ("value_head_fwd_kernel",
+     {"h": f"*{dt}", "w": "*fp32", "b": "*fp32", "out": "*fp32", "T": "i32", "H": "i32", "stride_t": "i64",
+      "HAS_BIAS": "constexpr", "BT": "constexpr", "BH": "constexpr"},
+     {"HAS_BIAS": True, "BT": 32, "BH": 128})
+    for dt in ("bf16", "fp32")
+] + [
+    ("value_head_bwd_kernel",
+     {"h": f"*{dt}", "w": "*fp32", "g": "*fp32", "dh": f"*{dt}", "dw_part": "*fp32", "T": "i32", "H": "i32",
+      "stride_t": "i64", "n_blocks": "i32", "NEED_DH": "constexpr", "NEED_DW": "constexpr", "BT": "constexpr",
+      "BH": "constexpr"},
+     {"NEED_DH": True, "NEED_DW": True, "BT": 32, "BH": 128})
+    for dt in ("bf16", "fp16", "fp32")
+]
+
+
+# linear_logprobs: both kernels, fp32 and bf16 logits, with and without the entropy, at the launchers' block
+# shapes for an LM vocabulary (one row per program) and a small one.
+def _linear_logprobs_sig(kernel, x_dtype):
+    sig = {}
+    for name in kernel.arg_names:
+        if name in ("BT", "BV", "ENTROPY"):
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = {"x_ptr": f"*{x_dtype}", "y_ptr": "*i64"}.get(name, "*fp32")
+        else:
+            sig[name] = "fp32" if name == "inv_t" else "i32"
+    return sig
+
+
+_LINEAR_LOGPROBS = [
+    (name, _linear_logprobs_sig(getattr(klp, name), dt), {"BT": bt, "BV": bv, "ENTROPY": ent})
+    for name in ("linear_logprobs_stats_kernel", "linear_logprobs_dlogits_kernel")
+    for dt in ("fp32", "bf16")
+    for ent in (False, True)
+    for bt, bv in (klp.tile_shape(151936), klp.tile_shape(300))
+]
+
+# segments: the counts with both index dtypes; the weights in each reduction and denominator kind.
+_SEGMENTS = [("_segment_counts_kernel", {"mask_ptr": "*u8", "cu_ptr": f"*{idx}", "counts_ptr": "*i64", "T": "i64"},
+              {"BLOCK": kseg.BLOCK}) for idx in ("i32", "i64")]
+_WEIGHTS_SIG = dict(counts_ptr="*i64", cs_ptr="*i64", den_ptr="*fp64", prefix_ptr="*fp64", out_ptr="*fp64", S="i64",
+                    R="i64", LOG_R="i32", den_hi="fp32", den_lo="fp32")
+_SEGMENTS += [("_segment_weights_kernel", _WEIGHTS_SIG,
+               {"REDUCTION": red, "HAS_CS": cs, "DEN": den, "BLOCK": kseg.WEIGHTS_BLOCK})
+              for red, cs, den in [(REDUCTION_TOKEN_MEAN, False, 0), (REDUCTION_SEGMENT_MEAN, False, 1),
+                                   (REDUCTION_ROLLOUT_MEAN, True, 2), (REDUCTION_ROLLOUT_MEAN, True, 0),
+                                   (REDUCTION_SUM, False, 0)]]
+
+SPECS = {"gae_params": _PARAMS, "gae_chunk": _CHUNK, "gae_lookback": _LOOKBACK, "ppo_loss": _PPO,
+         "value_loss": _VALUE_LOSS, "value_head": _VALUE_HEAD, "linear_logprobs": _LINEAR_LOGPROBS,
+         "segments": _SEGMENTS}

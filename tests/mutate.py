@@ -28,7 +28,7 @@ MODULES = {
     "reference/gae": ["tests/reference/test_gae_oracle.py"],
     "reference/losses": ["tests/reference/test_loss_oracles.py"],
     # the ops' Python entries under their op's tests, the ones marked slow left out
-    "ops/gae": ["tests/ops/test_gae.py", "-m", "not slow"],
+    "ops/gae": ["tests/ops/test_gae.py", "tests/ops/test_segment_params.py", "-m", "not slow"],
     "ops/_reduction": ["tests/ops/test_reduction.py", "tests/ops/test_ppo_loss.py", "tests/ops/test_value_loss.py",
                        "-m", "not slow"],
     "ops/denominator": ["tests/ops/test_reduction.py", "-m", "not slow"],
@@ -54,6 +54,20 @@ MODULES = {
     # and take a minute
     "train/trainer": ["tests/train/test_trainer.py", "tests/train/test_fit.py", "tests/train/test_checkpoint.py",
                       "tests/train/test_config.py", "tests/train/test_diagnostics.py"],
+    # the step's layout (built once per micro-batch) and its one read of the metrics
+    "train/layout": ["tests/train/test_trainer.py", "tests/train/test_host_syncs.py"],
+    "train/readout": ["tests/train/test_diagnostics.py", "tests/train/test_host_syncs.py",
+                      "tests/train/test_trainer.py"],
+    # the outer loop (fit) and its log; test_faults.py trains in subprocesses, left out as above
+    "train/loop": ["tests/train/test_fit.py", "tests/train/test_trainer.py", "tests/train/test_sync.py",
+                   "tests/train/test_lr_schedule.py", "tests/train/test_checkpoint.py"],
+    "train/log": ["tests/train/test_io.py", "tests/train/test_fit.py", "tests/train/test_trainer.py",
+                  "tests/train/test_lr_schedule.py"],
+    # single-process paths only: the 2-process ones run in tests/test_ddp.py's subprocesses
+    "train/dist": ["tests/train/test_trainer.py", "tests/train/test_fit.py"],
+    # the config's checks and sources (YAML, flags, --set), and the CLI help built from them
+    "train/checks": ["tests/train/test_config.py", "tests/test_cli.py"],
+    "train/config_load": ["tests/train/test_config.py", "tests/test_cli.py"],
 }
 
 

@@ -37,10 +37,22 @@ def test_the_package_takes_its_names_from_the_table():
         (modes.LAM_CONST, modes.LAM_ADAPTIVE_SEGMENT, modes.LAM_ADAPTIVE_ROLLOUT, modes.LAM_TENSOR)
 
 
-def test_gae_kernels_compare_modes_by_name():
-    """`LAM_MODE == modes.LAM_TENSOR`, never `LAM_MODE == 3`, in the Triton kernels."""
-    literal = re.compile(r"\b(LAM_MODE|CROSS)\s*[=!]=\s*\d")
-    for name in sorted(os.listdir(os.path.join(ROOT, "kernels"))):
-        if name.endswith(".py"):
-            with open(os.path.join(ROOT, "kernels", name)) as f:
-                assert not literal.search(f.read()), f"kernels/{name} compares a mode with a literal"
+# a mode compared with a number: `LAM_MODE == 3`, `REDUCTION != 0`, `reduction == 2 and ...`
+_LITERAL = re.compile(r"\b(LAM_MODE|CROSS|REDUCTION|reduction)\s*[=!]=\s*\d")
+
+
+def test_the_literal_pattern_catches_literals():
+    for bad in ("if LAM_MODE == 3:", "elif REDUCTION != 3:", "ROLLOUTS = REDUCTION==2 and HAS_CS",
+                "rollouts = reduction == 2 and cu_segments is not None", "if CROSS == 1:"):
+        assert _LITERAL.search(bad), bad
+    for good in ("if LAM_MODE == modes.LAM_TENSOR:", "elif REDUCTION != modes.REDUCTION_SUM:", "if DEN == 2:"):
+        assert not _LITERAL.search(good), good
+
+
+def test_kernels_compare_modes_by_name():
+    """`LAM_MODE == modes.LAM_TENSOR`, never `LAM_MODE == 3`, in the Triton kernels and their launchers (and in
+    ops/_reduction.py, which picks the weights kernel's launches)."""
+    files = [os.path.join("kernels", n) for n in sorted(os.listdir(os.path.join(ROOT, "kernels"))) if n.endswith(".py")]
+    for path in files + [os.path.join("compactionrl_fast", "ops", "_reduction.py")]:
+        with open(os.path.join(ROOT, path)) as f:
+            assert not _LITERAL.search(f.read()), f"{path} compares a mode with a literal"

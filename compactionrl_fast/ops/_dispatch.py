@@ -65,6 +65,7 @@ def available(device: torch.device) -> list[str]:
 # built and importable; `resolve` is the one place that picks.
 TABLE = {
     "segment_gae": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch")},
+    "segment_params": {"cuda": ("triton", "torch"), "cpu": ("cpp", "triton", "torch")},
     "place_final_rewards": {"cuda": ("torch",), "cpu": ("torch",)},
     "ppo_policy_loss": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch")},
     "value_loss": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch")},

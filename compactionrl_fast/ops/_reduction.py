@@ -27,10 +27,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..kernels import modes
+from ..kernels.modes import REDUCTION_SUM, REDUCTION_TOKEN_MEAN
 from . import _dispatch
 from ._register import register_op
 
-REDUCTIONS = ("token-mean", "segment-mean", "rollout-mean", "sum")
+REDUCTIONS = tuple(modes.REDUCTION)  # ("token-mean", "segment-mean", "rollout-mean", "sum")
 
 
 # ---------------------------------------------------------------- ops: (loss_mask [T], cu_seqlens [S+1]) -> int64 [S]
@@ -98,9 +100,6 @@ def _inverse_denominator(d):
 # ---------------------------------------------------------------- ops: (loss_mask [T], cu_seqlens [S+1]?,
 # cu_segments [R+1]?, reduction code, den (< 0: none), den_t []?) -> float64 [S] ([1] without cu_seqlens)
 
-_CODES = {"token-mean": 0, "segment-mean": 1, "rollout-mean": 2, "sum": 3}
-
-
 def _segment_weights_fake(loss_mask, cu_seqlens, cu_segments, reduction, den, den_t):
     S = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return loss_mask.new_empty(S, dtype=torch.float64)
@@ -114,7 +113,7 @@ def _segment_weights_triton(loss_mask: torch.Tensor, cu_seqlens: Optional[torch.
 
     S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
     given = den_t is not None or den >= 0
-    if reduction == 3 or (reduction == 0 and given):  # the weights need no counts: one launch
+    if reduction == REDUCTION_SUM or (reduction == REDUCTION_TOKEN_MEAN and given):  # no counts needed: one launch
         counts = torch.empty(S, dtype=torch.int64, device=loss_mask.device)
     elif cu_seqlens is None:
         counts = torch.count_nonzero(loss_mask).reshape(1)
@@ -140,11 +139,11 @@ def segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator=N
     den = -1.0 if denominator is None or isinstance(denominator, torch.Tensor) else float(denominator)
     den_t = denominator if isinstance(denominator, torch.Tensor) else None
     if device.type == "cpu" and _CPP_WEIGHTS and backend != "triton":
-        return torch.ops.compactionrl_fast.segment_weights(loss_mask, cu_seqlens, cu_segments, _CODES[reduction], den,
-                                                           den_t)
+        return torch.ops.compactionrl_fast.segment_weights(loss_mask, cu_seqlens, cu_segments,
+                                                           modes.REDUCTION[reduction], den, den_t)
     if (device.type == "cuda" or backend == "triton") and _dispatch.has_triton():
         return torch.ops.compactionrl_fast.segment_weights_triton(loss_mask, cu_seqlens, cu_segments,
-                                                                  _CODES[reduction], den, den_t)
+                                                                  modes.REDUCTION[reduction], den, den_t)
     return segment_weights_torch(loss_mask, cu_seqlens, cu_segments, reduction, denominator)
 
 

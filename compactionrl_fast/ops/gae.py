@@ -1,8 +1,9 @@
-"""`segment_gae` and `place_final_rewards`: GAE over packed, compacted rollouts (docs/ops.md).
+"""`segment_gae`, `segment_params` (its per-segment numbers alone) and `place_final_rewards`: GAE over packed,
+compacted rollouts (docs/ops.md).
 
-Backends: "triton" (kernels/gae.py, custom op `compactionrl_fast::segment_gae_triton`), "cuda" and "cpp"
-(csrc/, op `compactionrl_fast::segment_gae`), "torch" (the reference). Both ops are torch.library custom
-ops with fake impls, so torch.compile traces them without a graph break; advantages are targets, not
+Backends: "triton" (kernels/gae.py, custom ops `compactionrl_fast::segment_gae_triton` and
+`segment_gae_params_triton`), "cuda" and "cpp" (csrc/, op `compactionrl_fast::segment_gae`;
+`segment_gae_params` on "cpp"), "torch" (the reference). All are torch.library custom ops with fake impls, so torch.compile traces them without a graph break; advantages are targets, not
 functions of parameters, so there is no autograd. No host sync on CUDA tensors: offsets are checked
 where `value_checks` allows, and every kernel clamps them.
 """
@@ -62,6 +63,31 @@ def _gae_triton(rewards: Tensor, values: Tensor, loss_mask: Tensor, cu_seqlens: 
 
 register_op("segment_gae_triton", _gae_fake, _gae_triton)
 register_op("segment_gae", _gae_fake)  # the C++ op (csrc/), where built
+
+
+def _check_numbers(S, device, gamma, lam, cross_segment, lam_critic, adaptive_alpha, adaptive_length):
+    """Validate segment_gae's numbers and modes; return what the kernels take: (gamma, lam_mode, lam (the
+    float of LAM_CONST, else 0), lam_seg [S] float32 (LAM_TENSOR) or None, alpha, lam_critic (< 0: None))."""
+    gamma = check_float("gamma", gamma, 0.0, 1.0)
+    check_choice("cross_segment", cross_segment, tuple(CROSS_MODES))
+    check_choice("adaptive_length", adaptive_length, ("rollout", "segment"))
+    alpha = check_float("adaptive_alpha", adaptive_alpha, 0.0, float("inf"))
+    if alpha <= 0.0:
+        raise ValueError(f"adaptive_alpha must be > 0, got {alpha}")
+    lam_seg, lam_val = None, 0.0
+    if isinstance(lam, torch.Tensor):
+        check_tensor("lam", lam, dtypes=FLOAT_DTYPES, ndim=1, device=device, numel=S)
+        if S and value_checks(lam) and bool(((lam < 0) | (lam > 1) | lam.isnan()).any()):
+            raise ValueError("lam (per-segment tensor) must hold values in [0, 1]")
+        lam_mode, lam_seg = LAM_TENSOR, lam.detach().float().contiguous()
+    elif isinstance(lam, str):
+        if lam != "adaptive":
+            raise ValueError(f"lam must be a float, a per-segment tensor or 'adaptive', got {lam!r}")
+        lam_mode = LAM_ADAPTIVE_ROLLOUT if adaptive_length == "rollout" else LAM_ADAPTIVE_SEGMENT
+    else:
+        lam_mode, lam_val = LAM_CONST, check_float("lam", lam, 0.0, 1.0)
+    lam_c = -1.0 if lam_critic is None else check_float("lam_critic", lam_critic, 0.0, 1.0)
+    return gamma, lam_mode, lam_val, lam_seg, alpha, lam_c
 
 
 def _check_starts(seg_start, cu_seqlens, T, device):
@@ -130,25 +156,8 @@ def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gam
     """
     cu_seqlens, cu_segments, S, R = _check_packed(rewards, values, loss_mask, cu_seqlens, cu_segments)
     device = loss_mask.device
-    gamma = check_float("gamma", gamma, 0.0, 1.0)
-    check_choice("cross_segment", cross_segment, tuple(CROSS_MODES))
-    check_choice("adaptive_length", adaptive_length, ("rollout", "segment"))
-    alpha = check_float("adaptive_alpha", adaptive_alpha, 0.0, float("inf"))
-    if alpha <= 0.0:
-        raise ValueError(f"adaptive_alpha must be > 0, got {alpha}")
-    lam_seg, lam_val = None, 0.0
-    if isinstance(lam, torch.Tensor):
-        check_tensor("lam", lam, dtypes=FLOAT_DTYPES, ndim=1, device=device, numel=S)
-        if S and value_checks(lam) and bool(((lam < 0) | (lam > 1) | lam.isnan()).any()):
-            raise ValueError("lam (per-segment tensor) must hold values in [0, 1]")
-        lam_mode, lam_seg = LAM_TENSOR, lam.detach().float().contiguous()
-    elif isinstance(lam, str):
-        if lam != "adaptive":
-            raise ValueError(f"lam must be a float, a per-segment tensor or 'adaptive', got {lam!r}")
-        lam_mode = LAM_ADAPTIVE_ROLLOUT if adaptive_length == "rollout" else LAM_ADAPTIVE_SEGMENT
-    else:
-        lam_mode, lam_val = LAM_CONST, check_float("lam", lam, 0.0, 1.0)
-    lam_c = -1.0 if lam_critic is None else check_float("lam_critic", lam_critic, 0.0, 1.0)
+    gamma, lam_mode, lam_val, lam_seg, alpha, lam_c = _check_numbers(S, device, gamma, lam, cross_segment,
+                                                                     lam_critic, adaptive_alpha, adaptive_length)
 
     if seg_start is not None:
         seg_start = _check_starts(seg_start, cu_seqlens, loss_mask.numel(), device)
@@ -170,6 +179,61 @@ def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gam
     op = torch.ops.compactionrl_fast.segment_gae_triton if b == "triton" else torch.ops.compactionrl_fast.segment_gae
     return op(rewards, values, loss_mask.contiguous(), cu_seqlens, cu_segments, lam_seg, gamma, lam_val, lam_mode,
               alpha, CROSS_MODES[cross_segment], lam_c, seg_start)
+
+
+# (loss_mask [T] bool, cu_seqlens [S+1], cu_segments [R+1] (one index dtype), lam_seg [S] f32?, gamma, lam,
+#  lam_mode, alpha, cross, lam_critic (< 0: None)) -> float64 [4, S]: segment_gae's per-segment numbers alone
+
+
+def _params_fake(loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic):
+    return loss_mask.new_empty(4, cu_seqlens.shape[0] - 1, dtype=torch.float64)
+
+
+def _params_triton(loss_mask: Tensor, cu_seqlens: Tensor, cu_segments: Tensor, lam_seg: Optional[Tensor],
+                   gamma: float, lam: float, lam_mode: int, alpha: float, cross: int, lam_critic: float) -> Tensor:
+    from ..kernels.gae import segment_gae_params
+
+    return segment_gae_params(loss_mask, cu_seqlens, cu_segments, lam_seg, gamma, lam, lam_mode, alpha, cross,
+                              lam_critic)
+
+
+register_op("segment_gae_params_triton", _params_fake, _params_triton)
+register_op("segment_gae_params", _params_fake)  # the C++ op (csrc/cpu/gae.cpp), where built
+
+
+def segment_params(loss_mask, cu_seqlens, cu_segments=None, *, gamma=1.0, lam="adaptive", cross_segment="paper",
+                   lam_critic=1.0, adaptive_alpha=1.5, adaptive_length="rollout", backend="auto"):
+    """The per-segment numbers `segment_gae` resolves from its modes, computed by the code its scans read them
+    from (C++ `rollout_params`, the Triton params kernel, the reference): for reports such as the paper's
+    factor, without restating the modes.
+
+    Args: as `segment_gae` (no rewards or values; backend: "auto" | "triton" | "cpp" | "torch").
+
+    Returns:
+        float64 [4, S], rows: gamma*lam_s; gamma*lam_critic (gamma*lam_s when lam_critic is None); the
+        advantage scale, (gamma*lam_s)^N_later for "paper" (N_later: trainable tokens in the later segments
+        of the rollout), else 1; reset_s, 0 only for "stitched" when a later segment of the rollout has tokens.
+
+    Example:
+        >>> import torch, compactionrl_fast as crf
+        >>> mask = torch.tensor([True, True, True])
+        >>> crf.segment_params(mask, torch.tensor([0, 2, 3]), torch.tensor([0, 2]), gamma=1.0, lam=0.5)[2].tolist()
+        [0.5, 1.0]
+    """
+    cu_seqlens, cu_segments, S, R = _check_packed(None, None, loss_mask, cu_seqlens, cu_segments)
+    device = loss_mask.device
+    gamma, lam_mode, lam_val, lam_seg, alpha, lam_c = _check_numbers(S, device, gamma, lam, cross_segment,
+                                                                     lam_critic, adaptive_alpha, adaptive_length)
+    b = resolve_backend(backend, device, op="segment_params")
+    if b == "torch":
+        return ref.segment_params(loss_mask, cu_seqlens, cu_segments, gamma=gamma,
+                                  lam=lam_seg if lam_seg is not None else (lam if lam_mode != LAM_CONST else lam_val),
+                                  cross_segment=cross_segment, lam_critic=lam_critic, adaptive_alpha=alpha,
+                                  adaptive_length=adaptive_length).to(device)
+    op = torch.ops.compactionrl_fast.segment_gae_params_triton if b == "triton" else \
+        torch.ops.compactionrl_fast.segment_gae_params
+    return op(loss_mask.contiguous(), cu_seqlens, cu_segments, lam_seg, gamma, lam_val, lam_mode, alpha,
+              CROSS_MODES[cross_segment], lam_c)
 
 
 def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None, mode="paper"):

@@ -33,32 +33,15 @@ def summary_index(batch, roll):
     return (csum - (csum[start] - is_sum[start])) * is_sum
 
 
-def cross_segment_factors(batch, cfg, n=None, roll=None):
-    """The paper's per-segment advantage factor (gamma*lam_s)^N_{>s} [S] float64, for the histogram.
+def cross_segment_factors(batch, cfg):
+    """The paper's per-segment advantage factor (gamma*lam_s)^N_{>s} [S] float64, for the histogram: the
+    advantage scale `segment_gae` itself resolves (row 2 of `segment_params`, the code its scans read), so the
+    logged factor is the one the advantages carry; 1 everywhere for cross_segment "none"/"stitched"."""
+    from ..ops import segment_params
 
-    Mirrors the definition in docs/method.md (not used for training: the advantages come from
-    `segment_gae`); 1 everywhere for cross_segment "none"/"stitched".
-    """
-    if n is None:
-        _, roll, n = segment_ids(batch)
-    R = batch.cu_segments.numel() - 1
-    per_roll = torch.zeros(R, dtype=torch.long, device=n.device).index_add_(0, roll, n)
-    # trainable tokens in later segments of the same rollout: rollout total minus the inclusive prefix
-    cs = n.cumsum(0)
-    start = batch.cu_segments[:-1].long()[roll]
-    incl = cs - (cs[start] - n[start])
-    later = per_roll[roll] - incl
-    if cfg.cross_segment != "paper":
-        return torch.ones_like(later, dtype=torch.float64)
-    if isinstance(cfg.lam, str):
-        length = per_roll[roll] if cfg.adaptive_length == "rollout" else n
-        lam = (1.0 - 1.0 / (cfg.adaptive_alpha * length.clamp(min=1).double())).clamp(0.0, 1.0)
-    else:
-        lam = torch.full_like(later, float(cfg.lam), dtype=torch.float64)
-    base = cfg.gamma * lam
-    out = torch.where(base > 0, torch.exp(later.double() * torch.log(base.clamp(min=1e-300))),
-                      (later == 0).double())
-    return out
+    return segment_params(batch.loss_mask, batch.cu_seqlens, batch.cu_segments, gamma=cfg.gamma, lam=cfg.lam,
+                          cross_segment=cfg.cross_segment, lam_critic=cfg.lam_critic,
+                          adaptive_alpha=cfg.adaptive_alpha, adaptive_length=cfg.adaptive_length)[2]
 
 
 def _mean(x, n: int):
@@ -101,7 +84,7 @@ def layout_part(batch, cfg, idx, ids=None) -> dict:
     out["summary_length"] = float(sums.double().mean()) if sums.numel() else 0.0
 
     # segment weights in the loss: the cross-segment factor, and each segment's share of the tokens
-    f = cross_segment_factors(batch, cfg, n, roll)
+    f = cross_segment_factors(batch, cfg)
     has = n > 0
     hist = torch.histc(f[has].float(), bins=FACTOR_BINS, min=0.0, max=1.0) if bool(has.any()) else torch.zeros(FACTOR_BINS)
     factors = {"segment_factor_hist": [int(x) for x in hist.tolist()]}

@@ -4,6 +4,7 @@
 //   2. the scan over "chains", the independent recurrences, lanes in lockstep (gae_lanes.h); a thread takes a
 //      range of chains, and a chain long enough to outlast the others is cut into pieces scanned in two passes
 //      (gae_cut.h).
+// segment_gae_params: step 1 alone, the [4, S] numbers returned (compactionrl_fast.segment_params).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -116,6 +117,56 @@ void check_starts(const int64_t* start, const idx_t* cu, int64_t S, int64_t T) {
   TORCH_CHECK_VALUE(next == T, "segment_gae: the segments placed by seg_start leave [", next, ", ", T, ") uncovered");
 }
 
+// The per-segment numbers alone, float64 [4, S] (rows gl, glc, scale, reset of crf::SegParams): what the scans
+// read, for callers that report them (compactionrl_fast.segment_params). Same checks and code as segment_gae_cpu.
+at::Tensor segment_gae_params_cpu(const at::Tensor& loss_mask, const at::Tensor& cu_seqlens,
+                                  const at::Tensor& cu_segments, const std::optional<at::Tensor>& lam_seg,
+                                  double gamma, double lam, int64_t lam_mode, double alpha, int64_t cross,
+                                  double lam_critic) {
+  TORCH_CHECK(loss_mask.device().is_cpu() && cu_seqlens.device().is_cpu() && cu_segments.device().is_cpu(),
+              "segment_gae_params: all tensors must be on the CPU");
+  TORCH_CHECK(loss_mask.scalar_type() == at::kBool, "segment_gae_params: loss_mask must be bool");
+  TORCH_CHECK(cu_seqlens.scalar_type() == cu_segments.scalar_type(),
+              "segment_gae_params: cu_seqlens and cu_segments must share a dtype");
+  TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_segments.dim() == 1 && cu_seqlens.numel() >= 1 &&
+                        cu_segments.numel() >= 1,
+                    "segment_gae_params: cu_seqlens and cu_segments must be 1-D with at least one element");
+  auto mask = loss_mask.contiguous(), cs = cu_seqlens.contiguous(), cg = cu_segments.contiguous();
+  const int64_t R = cg.numel() - 1, S = cs.numel() - 1, T = mask.numel();
+  at::Tensor ls;
+  const float* lam_ptr = nullptr;
+  if (lam_mode == crf::kLamTensor) {
+    TORCH_CHECK(lam_seg.has_value(), "segment_gae_params: lam_mode=tensor needs lam_seg");
+    ls = lam_seg->to(at::kFloat).contiguous();
+    TORCH_CHECK_VALUE(ls.numel() == S, "segment_gae_params: lam_seg must be [S]");
+    lam_ptr = ls.data_ptr<float>();
+  }
+  std::vector<int64_t> counts(S);
+  std::vector<SegParams> params(S);
+  const int64_t grain = std::max<int64_t>(1, R * 32768 / std::max<int64_t>(T, 1));  // as in segment_gae_cpu
+  AT_DISPATCH_INDEX_TYPES(cs.scalar_type(), "segment_gae_params_cpu", [&] {
+    const index_t* cu_seq = cs.data_ptr<index_t>();
+    const index_t* cu_seg = cg.data_ptr<index_t>();
+    check_offsets<index_t>(cu_seq, cs.numel(), T, "cu_seqlens", "T");
+    check_offsets<index_t>(cu_seg, cg.numel(), S, "cu_segments", "S");
+    const bool* pm = mask.data_ptr<bool>();
+    at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        rollout_numbers<index_t>(r, cu_seq, cu_seg, nullptr, pm, lam_ptr, gamma, lam, lam_mode, alpha, cross,
+                                 lam_critic, counts.data(), params.data());
+    });
+  });
+  auto out = crf::empty_output({4, S}, mask.options().dtype(at::kDouble));
+  double* o = out.data_ptr<double>();
+  for (int64_t s = 0; s < S; ++s) {
+    o[s] = params[s].gl;
+    o[S + s] = params[s].glc;
+    o[2 * S + s] = params[s].scale;
+    o[3 * S + s] = params[s].reset;
+  }
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> segment_gae_cpu(const at::Tensor& rewards, const at::Tensor& values,
                                                    const at::Tensor& loss_mask, const at::Tensor& cu_seqlens,
                                                    const at::Tensor& cu_segments,
@@ -205,4 +256,7 @@ std::string crf::cpu_simd(const char* name) {
   return kSimdNames[simd_setting.load()];
 }
 
-TORCH_LIBRARY_IMPL(compactionrl_fast, CPU, m) { m.impl("segment_gae", &segment_gae_cpu); }
+TORCH_LIBRARY_IMPL(compactionrl_fast, CPU, m) {
+  m.impl("segment_gae", &segment_gae_cpu);
+  m.impl("segment_gae_params", &segment_gae_params_cpu);
+}

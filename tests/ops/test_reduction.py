@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import compactionrl_fast as crf
+from compactionrl_fast.kernels import modes
 from compactionrl_fast.ops import _dispatch, _register
 from compactionrl_fast.ops import _reduction as red
 from compactionrl_fast.ops import _validate
@@ -144,7 +145,7 @@ def test_segment_weights_backends_agree(reduction, den, layout):
         from compactionrl_fast.kernels.segments import segment_weights as launch
 
         counts = red.segment_counts(b["loss_mask"], cu) if cu is not None else torch.count_nonzero(b["loss_mask"]).reshape(1)
-        got.append(launch(counts, cs, red._CODES[reduction], d))
+        got.append(launch(counts, cs, modes.REDUCTION[reduction], d))
     for g in got:
         torch.testing.assert_close(g, want, rtol=1e-15, atol=0, equal_nan=True)
     if den == "negative":

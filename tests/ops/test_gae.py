@@ -20,7 +20,7 @@ if "triton" in available(torch.device("cpu")):
     import triton
     import triton.language as tl
 
-    from compactionrl_fast.kernels import gae_scan as kgae
+    from compactionrl_fast.kernels import gae_scan as kscan
     from tests import _interp_scan
 
     _interp_scan.install()  # log-step scans in the Triton interpreter (see tests/_interp_scan.py)
@@ -34,12 +34,12 @@ if "triton" in available(torch.device("cpu")):
         # the scans of kernels/gae_scan.py on rows of x: 9-row _compose, 6-row _compose_adv; an int64 _add
         o = tl.arange(0, N)
         if OP == 0:
-            r = tl.associative_scan(tuple(tl.load(x_ptr + i * N + o) for i in tl.static_range(9)), 0, kgae._compose)
+            r = tl.associative_scan(tuple(tl.load(x_ptr + i * N + o) for i in tl.static_range(9)), 0, kscan._compose)
             for i in tl.static_range(9):
                 tl.store(out_ptr + i * N + o, r[i])
         elif OP == 1:
             r = tl.associative_scan(tuple(tl.load(x_ptr + i * N + o) for i in tl.static_range(6)), 0,
-                                    kgae._compose_adv)
+                                    kscan._compose_adv)
             for i in tl.static_range(6):
                 tl.store(out_ptr + i * N + o, r[i])
         else:
@@ -381,6 +381,8 @@ def test_triton_blocks_and_chunks_cross_segments(monkeypatch, block, chunk):
 @pytest.mark.slow
 def test_triton_gpu_sized_blocks_on_long_segments(monkeypatch):
     """The GPU block size, chunks of two blocks: segments of up to 3001 tokens span several blocks and chunks."""
+    from compactionrl_fast.kernels import gae as kgae
+
     _with_plan(monkeypatch, block=kgae.BLOCK, chunk=2 * kgae.BLOCK)
     b = packed_batch(SHAPE_TABLE["long_multiblock"], seed=11)
     for mode in ("paper", "stitched"):

@@ -151,6 +151,8 @@ def test_per_rollout_fields_and_reward_modes(model_rollouts):
     ref = place_final_rewards(st.rollout_rewards, st.loss_mask, st.cu_seqlens, st.cu_segments, mode="stitched")
     torch.testing.assert_close(st.rewards.double(), ref)
     assert int((st.rewards != 0).sum()) == 4  # one reward per rollout, not one per segment as in "paper"
+    # the batch says where its rewards are, so the trainer reuses them only in that mode
+    assert st.reward_mode == "stitched" and pack(experts).reward_mode == "paper" == b.reward_mode
     with pytest.raises(TypeError):
         pack(ros[0])  # one Rollout, not a list of them
 

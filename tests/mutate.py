@@ -53,7 +53,8 @@ MODULES = {
     # without test_faults.py and test_smoke.py: they train in subprocesses (mutants are not visible there)
     # and take a minute
     "train/trainer": ["tests/train/test_trainer.py", "tests/train/test_fit.py", "tests/train/test_checkpoint.py",
-                      "tests/train/test_config.py", "tests/train/test_diagnostics.py"],
+                      "tests/train/test_config.py", "tests/train/test_diagnostics.py",
+                      "tests/train/test_lr_schedule.py", "tests/train/test_sync.py", "tests/train/test_host_syncs.py"],
     # the step's layout (built once per micro-batch) and its one read of the metrics
     "train/layout": ["tests/train/test_trainer.py", "tests/train/test_host_syncs.py"],
     "train/readout": ["tests/train/test_diagnostics.py", "tests/train/test_host_syncs.py",

@@ -148,6 +148,8 @@ class TrainConfig:
     value_pretrain_steps: int = knob(50, c.integer(0), "critic-only steps before the first actor update")
     critic_updates_per_step: int = knob(2, c.integer(0), "critic optimiser steps per PPO step, all on the same returns")
     ppo_epochs: int = knob(1, c.integer(1), "passes of actor updates over each batch")
+    ppo_epochs_from: int = knob(0, c.integer(0),
+        "first actor update (0-based) that makes ppo_epochs passes; earlier updates make one pass")
     ppo_minibatches: int = knob(1, c.integer(1), "actor optimiser steps per pass (the batch's rollouts split evenly)")
     # optimisers (Adam)
     actor_lr: float = knob(2e-6, c.number(0), "Adam learning rate of the actor")

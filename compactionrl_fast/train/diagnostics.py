@@ -101,7 +101,7 @@ def layout_part(batch, cfg, idx, ids=None) -> dict:
     return {"shape": out, "factors": factors, "pos": pos}
 
 
-def batch_diagnostics(mb, advantages, values, returns, cfg) -> dict:
+def batch_diagnostics(mb, advantages, values, returns) -> dict:
     """Compaction shape, advantage structure and value calibration of one micro-batch.
 
     Args:

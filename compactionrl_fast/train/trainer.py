@@ -99,14 +99,15 @@ def optim_step(params, opt, max_norm, group):
     params = list(params)
     all_reduce_grads(params, group)
     params = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf")) if params else 0.0
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm or math.inf)
     opt.step()
     return norm
 
 
 def _scatter(idx, values, T):
     """[T] float32 zeros with `values` [N] at positions `idx`."""
-    return torch.zeros(T, dtype=torch.float32, device=idx.device).index_put_((idx,), values.float())
+    v = values.float()
+    return v.new_zeros(T).index_put_((idx,), v)
 
 
 def sampler_gap(behaviour, batch, idx):
@@ -129,16 +130,18 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
     cfg, actor, critic, group = state.cfg, state.actor, state.critic, state.group
     from ..ops import value_head, value_loss
 
+    if not batches:
+        raise ValueError("train_step: batches is empty (every rank needs at least one micro-batch)")
     mbs = as_micro_batches(batches, cfg)
     minibatches = minibatches or [list(range(len(mbs)))]
-    device = mbs[0].idx.device if mbs else None
+    device = mbs[0].idx.device
     den = Denominators.build(mbs, minibatches if update_actor else [], cfg, group, device)
     rec = {}  # what the step measured, on the device until `read`
     # ---- critic: update 1 also yields the old values, hence advantages and returns
     adv, ret, old_v = [None] * len(mbs), [None] * len(mbs), [None] * len(mbs)
     critic.train()
     for k in range(max(cfg.critic_updates_per_step, 1)):
-        state.opt_critic.zero_grad(set_to_none=True)
+        state.opt_critic.zero_grad()
         rows, losses = [], []  # (metrics, weight) of each micro-batch, and its loss
         for i, m in enumerate(mbs):
             b = m.batch
@@ -147,8 +150,7 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
                 old_v[i] = v.detach()
                 adv[i], ret[i] = advantages(b, _scatter(m.idx, old_v[i], b.loss_mask.numel()), cfg, m.rewards)
             loss, met = value_loss(v, old_v[i], ret[i][m.idx], m.value_mask, clip=cfg.value_clip,
-                                   cu_seqlens=m.loss_cu, cu_segments=b.cu_segments, reduction="token-mean",
-                                   denominator=den.value)
+                                   cu_seqlens=m.loss_cu, reduction="token-mean", denominator=den.value)
             loss.backward()
             losses.append(loss.detach())  # each micro-batch's share of the global-batch loss
             rows.append((met, m.n_tokens))
@@ -162,19 +164,21 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
         actor.train()
         # the schedule is a function of the actor update (state.step counts value pre-training first), so a
         # resumed run continues it
-        lr = actor_lr_at(cfg, state.step - cfg.value_pretrain_steps)
+        update = state.step - cfg.value_pretrain_steps
+        lr = actor_lr_at(cfg, update)
         for g in state.opt_actor.param_groups:
             g["lr"] = lr
+        epochs = cfg.ppo_epochs if max(update, 0) >= cfg.ppo_epochs_from else 1
         # behaviour log-probs, frozen before the first actor step; the first mini-batch of a single epoch
         # is trained before any step, so its live log-probs (detached) are the behaviour ones
-        skip = set(minibatches[0]) if cfg.ppo_epochs == 1 else set()
+        skip = set(minibatches[0]) if epochs == 1 else set()
         old = [None] * len(mbs)
         with torch.no_grad():
             for i, m in enumerate(mbs):
                 if i not in skip and any(i in mb for mb in minibatches):
                     old[i] = actor_logprobs(actor, m.batch, m.idx, temperature=cfg.temperature, tables=m.tables)
         rec["actor"] = []
-        for _ in range(cfg.ppo_epochs):
+        for _ in range(epochs):
             for j, mb in enumerate(minibatches):
                 sub = lambda xs: [xs[i] for i in mb]  # noqa: E731
                 rec["actor"].append(_actor_update(state, sub(mbs), sub(adv), sub(old), den.policy[j], gaps))
@@ -189,7 +193,7 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
         rec["diag"] = []
         for i, m in enumerate(mbs):
             values = _scatter(m.idx, old_v[i], m.batch.loss_mask.numel())
-            stats = diagnostics.batch_diagnostics(m, adv[i], values, ret[i], cfg)
+            stats = diagnostics.batch_diagnostics(m, adv[i], values, ret[i])
             if gap:
                 stats.update(diagnostics.advantage_gap(m, values, cfg))
             rec["diag"].append(stats)
@@ -214,7 +218,7 @@ def _metrics(rec: dict, mbs: list, *, update_actor: bool, measure_gap: bool, lr)
         out.update(acc.result())
         out["actor/lr"] = lr
     if update_actor or measure_gap:
-        out["sampler/logp_absdiff_max"] = rec.get("gap", 0.0)
+        out["sampler/logp_absdiff_max"] = rec["gap"]
     if "diag" in rec:
         d = Means()
         for i, (m, stats) in enumerate(zip(mbs, rec["diag"])):
@@ -242,7 +246,7 @@ def _actor_update(state, mbs, adv, old, den, gaps) -> tuple:
     from ..ops import ppo_policy_loss
 
     cfg, actor, group = state.cfg, state.actor, state.group
-    state.opt_actor.zero_grad(set_to_none=True)
+    state.opt_actor.zero_grad()
     rows, losses = [], []
     for i, m in enumerate(mbs):
         b = m.batch

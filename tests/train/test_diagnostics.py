@@ -20,7 +20,7 @@ def _mb(b, cfg):
 
 
 def _diagnostics(b, adv, values, ret, cfg):
-    return read(D.batch_diagnostics(_mb(b, cfg), adv, values, ret, cfg))
+    return read(D.batch_diagnostics(_mb(b, cfg), adv, values, ret))
 
 
 def _gap(b, values, cfg):

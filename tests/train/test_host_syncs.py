@@ -76,14 +76,18 @@ def _fake_step(cfg, run):
     return out, reads
 
 
-def test_train_step_reads_the_device_at_most_3_times_all_at_the_end():
-    cfg = TrainConfig()
-    out, reads = _fake_step(cfg, lambda state, mbs, _: train_step(state, mbs, gap=True))
+@pytest.mark.parametrize("cfg,kw,keys", [
+    (dict(), dict(gap=True), {"actor/policy_loss", "actor/grad_norm", "adv_exec_mean", "gap_abs_mean"}),
+    # behaviour passes before the updates, 4 actor steps
+    (dict(ppo_epochs=2, ppo_minibatches=2), dict(minibatches=[[0], [1, 2]], diagnose=False), {"actor/policy_loss"}),
+    (dict(), dict(update_actor=False, measure_gap=True, diagnose=False), set()),  # value pre-training
+])
+def test_train_step_reads_the_device_at_most_3_times_all_at_the_end(cfg, kw, keys):
+    out, reads = _fake_step(TrainConfig(**cfg), lambda state, mbs, _: train_step(state, mbs, **kw))
     sites = {s: n for s, n in reads.sites.items() if DEVICE == "cuda" or not s.startswith("ops/")}
     assert sum(sites.values()) <= MAX_SYNCS, f"{reads.count} host reads: {dict(reads.sites)}"
     assert all(site.startswith("train/readout.py") for site in sites), dict(reads.sites)
-    assert {"critic/value_loss", "actor/policy_loss", "actor/grad_norm", "sampler/logp_absdiff_max",
-            "adv_exec_mean", "gap_abs_mean"} <= set(out)
+    assert keys | {"critic/value_loss", "sampler/logp_absdiff_max"} <= set(out)
     assert all(not isinstance(v, torch.Tensor) for v in out.values())
 
 

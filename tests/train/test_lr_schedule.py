@@ -27,6 +27,8 @@ def test_actor_lr_at_formula():
     assert actor_lr_at(c, 2) == pytest.approx(0.6, rel=1e-12)  # halfway: the mean of start and end
     # past the end (a run extended after its schedule ended) it stays at the end value
     assert actor_lr_at(c, 9) == pytest.approx(0.2, rel=1e-12)
+    c = TrainConfig(steps=1, actor_lr=1.0, lr_schedule="linear", lr_end_ratio=0.25)  # one update: x = 0, then 1
+    assert [actor_lr_at(c, k) for k in range(2)] == [1.0, 0.25]
     c = TrainConfig(steps=4, actor_lr=0.3, lr_end_ratio=0.1)  # constant ignores the end ratio
     assert [actor_lr_at(c, k) for k in range(6)] == [0.3] * 6
 

@@ -178,16 +178,19 @@ def _token_rollout(b, idx):
     return torch.searchsorted(b.cu_segments, seg, right=True) - 1
 
 
-@pytest.mark.parametrize("reduction,tis_cap", [("token-mean", None), ("rollout-mean", 1.1), ("token-mean", 1.1)])
-def test_train_step_metric_values_equal_a_direct_computation(reduction, tis_cap):
+@pytest.mark.parametrize("reduction,tis_cap,summaries", [("token-mean", None, True), ("rollout-mean", 1.1, True),
+                                                        ("token-mean", 1.1, True), ("token-mean", 1.1, False)])
+def test_train_step_metric_values_equal_a_direct_computation(reduction, tis_cap, summaries):
     """Every metric of one step (one micro-batch, one epoch: ratio 1) against the losses written out by hand on
-    copies of the models taken before the step; the clipped gradients after it have norm max_grad_norm."""
+    copies of the models taken before the step; the clipped gradients after it have norm max_grad_norm. Without
+    summary tokens in the policy loss (the ablation) the actor's metrics cover exec tokens only."""
     actor, critic = tiny_models()
     b = hand_batch()
     g = torch.Generator().manual_seed(1)
     # sampler log-probs from -7 to -1 around the actor's (~-3.5): the weight cap binds on some tokens only
     b.rollout_logprobs = -6 * torch.rand(b.loss_mask.numel(), generator=g) - 1.0
-    cfg = _cfg(temperature=0.7, max_grad_norm=1e-3, tis_cap=tis_cap, loss_reduction=reduction)
+    cfg = _cfg(temperature=0.7, max_grad_norm=1e-3, tis_cap=tis_cap, loss_reduction=reduction,
+               train_summary_tokens=summaries)
     state = make_state(cfg, actor, critic)
     a0, c0 = copy.deepcopy(actor), copy.deepcopy(critic)
     idx = action_index(b.loss_mask, b.cu_attn)
@@ -197,6 +200,8 @@ def test_train_step_metric_values_equal_a_direct_computation(reduction, tis_cap)
     adv, ret = advantages(b, torch.zeros(b.loss_mask.numel()).index_put_((idx,), v.detach()), cfg)
     vl = 0.5 * ((v - ret[idx]) ** 2)[m].sum() / m.sum()
     vl.backward()
+    m = policy_mask(b, cfg)[idx]
+    assert summaries or 0 < int(m.sum()) < int(b.loss_mask.sum())
     # actor: ratio 1, loss -(w * A * ratio) reduced per token or per rollout; w the truncated importance weight
     logp, ent = actor_logprobs(a0, b, idx, temperature=0.7, return_entropy=True)
     roll = b.rollout_logprobs[idx]
@@ -273,7 +278,7 @@ def test_diagnostic_histograms_come_from_the_first_micro_batch():
     with torch.no_grad():
         values = torch.zeros(b0.loss_mask.numel()).index_put_((idx,), critic_values(critic, b0, idx))
     adv, ret = advantages(b0, values, cfg)
-    want = read(diagnostics.batch_diagnostics(MicroBatch.build(b0, cfg), adv, values, ret, cfg))
+    want = read(diagnostics.batch_diagnostics(MicroBatch.build(b0, cfg), adv, values, ret))
     lists = {k: v for k, v in want.items() if isinstance(v, list)}
     assert lists
     out = train_step(make_state(cfg, actor, critic), [b0, b1], update_actor=False)
@@ -559,3 +564,115 @@ def test_denominators_stay_on_the_device_over_nccl(monkeypatch):
     actor, critic = tiny_models()
     m = train_step(make_state(_cfg(), actor, critic, group="g"), [b], diagnose=False)
     assert math.isfinite(m["actor/policy_loss"]) and math.isfinite(m["critic/value_loss"])
+
+
+def test_the_loop_names_still_import_from_trainer():
+    """trainer re-exports the names that moved to loop.py, log.py and dist.py (callers import them from here)."""
+    import importlib
+
+    from compactionrl_fast.train import trainer
+
+    moved = {"loop": ("EVAL_SEED_BASE", "evaluate", "fit", "micro_batches", "split_rollouts", "train_seeds"),
+             "log": ("MetricsLog", "read_rows", "rollout_metrics"), "dist": ("world", "global_max", "global_sum")}
+    for mod, names in moved.items():
+        for name in names:
+            assert getattr(trainer, name) is getattr(importlib.import_module(f"compactionrl_fast.train.{mod}"), name)
+    with pytest.raises(AttributeError, match="trainer' has no attribute 'fitt'"):
+        trainer.fitt
+
+
+def test_advantages_use_the_rewards_they_are_given():
+    from compactionrl_fast.train.layout import placed_rewards
+
+    b = hand_batch()
+    cfg = _cfg()
+    zero = torch.zeros(b.loss_mask.numel())
+    _, ret = advantages(b, zero, cfg)
+    _, ret2 = advantages(b, zero, cfg, 2 * placed_rewards(b, cfg))
+    assert bool(ret.abs().max() > 0) and torch.equal(ret2, 2 * ret)  # lam 1, zero values: returns are rewards-to-go
+
+
+def test_a_step_reads_the_layout_it_is_given(monkeypatch):
+    """On `layout.MicroBatch`es the step derives no layout again: no placed rewards, segment ids or forward
+    tables, in every branch (epochs, mini-batches, the gap diagnostics, a critic-only step measuring the gap)."""
+    from compactionrl_fast.train import diagnostics, layout, model
+    from compactionrl_fast.train.layout import MicroBatch
+
+    cfg = _cfg(ppo_epochs=2, ppo_minibatches=2)
+    mbs = [MicroBatch.build(hand_batch(seed=s), cfg) for s in (0, 1, 2)]
+
+    def boom(*a, **k):
+        raise AssertionError("layout derived again")
+    for mod, name in ((layout, "placed_rewards"), (model, "forward_tables"), (model, "action_index"),
+                      (diagnostics, "segment_ids"), (layout, "policy_mask")):
+        monkeypatch.setattr(mod, name, boom)
+    actor, critic = tiny_models()
+    state = make_state(cfg, actor, critic)
+    out = train_step(state, mbs, minibatches=[[0], [1, 2]], gap=True)
+    assert math.isfinite(out["actor/policy_loss"]) and "gap_abs_mean" in out
+    out = train_step(state, mbs, update_actor=False, measure_gap=True, diagnose=False)
+    assert out["sampler/logp_absdiff_max"] > 0
+
+
+def _logprob_calls(monkeypatch):
+    """Record (batch, grad enabled) of every actor log-prob pass the step makes."""
+    from compactionrl_fast.train import trainer
+
+    calls, real = [], trainer.actor_logprobs
+
+    def counted(actor, batch, *a, **k):
+        calls.append((batch, torch.is_grad_enabled()))
+        return real(actor, batch, *a, **k)
+    monkeypatch.setattr(trainer, "actor_logprobs", counted)
+    return calls
+
+
+@pytest.mark.parametrize("epochs,minibatches,behaviour,updates", [
+    (1, [[0], [1], [2]], [1, 2], 3),  # one epoch: the first mini-batch is trained before any step
+    (1, [[0], [1]], [1], 2),  # a micro-batch in no mini-batch gets no pass
+    (2, [[0], [1]], [0, 1], 4),
+    (2, [[1, 2]], [1, 2], 4),
+])
+def test_behaviour_passes_only_where_a_step_came_before(monkeypatch, epochs, minibatches, behaviour, updates):
+    bs = [hand_batch(seed=s) for s in (0, 1, 2)]
+    calls = _logprob_calls(monkeypatch)
+    actor, critic = tiny_models()
+    train_step(make_state(_cfg(ppo_epochs=epochs), actor, critic), bs, minibatches=minibatches, diagnose=False)
+    ids = [id(b) for b in bs]
+    assert [ids.index(id(b)) for b, grad in calls if not grad] == behaviour
+    assert sum(grad for _, grad in calls) == updates
+
+
+def test_ppo_epochs_start_at_ppo_epochs_from(monkeypatch):
+    """Actor updates before `ppo_epochs_from` make one pass (no behaviour pass: ratio 1), later ones ppo_epochs."""
+    b = hand_batch()
+    calls = _logprob_calls(monkeypatch)
+    actor, critic = tiny_models()
+    state = make_state(_cfg(ppo_epochs=3, ppo_epochs_from=2, value_pretrain_steps=1, actor_lr=3e-3), actor, critic)
+    passes = []
+    for step in range(1, 5):  # actor updates 0..3
+        state.step = step
+        calls.clear()
+        m = train_step(state, [b], diagnose=False)
+        passes.append(len(calls))
+        assert (m["actor/ratio_max"] == pytest.approx(1.0)) == (step < 3)
+    assert passes == [1, 1, 4, 4]  # 3 epochs: a behaviour pass and 3 updates
+
+
+def test_the_sampler_gap_of_a_critic_only_step_only_when_asked():
+    b = hand_batch()
+    b.rollout_logprobs = -torch.rand(b.loss_mask.numel(), generator=torch.Generator().manual_seed(2)) - 3
+    actor, critic = tiny_models()
+    state = make_state(_cfg(temperature=0.8), actor, critic)
+    assert "sampler/logp_absdiff_max" not in train_step(state, [b], update_actor=False, diagnose=False)
+    idx = action_index(b.loss_mask, b.cu_attn)
+    with torch.no_grad():
+        want = float((actor_logprobs(actor, b, idx, temperature=0.8) - b.rollout_logprobs[idx]).abs().max())
+    out = train_step(state, [b], update_actor=False, measure_gap=True, diagnose=False)
+    assert out["sampler/logp_absdiff_max"] == pytest.approx(want, rel=1e-6)
+
+
+def test_a_step_without_batches_is_an_error():
+    actor, critic = tiny_models()
+    with pytest.raises(ValueError, match="batches is empty"):
+        train_step(make_state(_cfg(), actor, critic), [])

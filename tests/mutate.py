@@ -89,11 +89,13 @@ def copy_tree(dst):
 def run_module(name, tests, children, base):
     dst = os.path.join(base, name.replace("/", "_"))
     copy_tree(dst)
+    # mutmut runs the tests in dst/mutants with only these folders (csrc: the loss tests compile the CUDA kernels
+    # for the host)
     with open(os.path.join(dst, "pyproject.toml"), "a") as f:
         f.write("\n[tool.mutmut]\n"
                 f'source_paths = ["compactionrl_fast/{name}.py"]\n'
                 f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
-                'also_copy = ["kernels", "tests", "compactionrl_fast", "benchmarks"]\n')
+                'also_copy = ["kernels", "tests", "compactionrl_fast", "benchmarks", "csrc"]\n')
     mutmut = [sys.executable, "-m", "mutmut"]
     t0 = time.time()
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -90,12 +90,14 @@ def run_module(name, tests, children, base):
     dst = os.path.join(base, name.replace("/", "_"))
     copy_tree(dst)
     # mutmut runs the tests in dst/mutants with only these folders (csrc: the loss tests compile the CUDA kernels
-    # for the host)
+    # for the host); each mutant's process forks from a server that has run no test (a fork of the process that
+    # ran the suite inherits torch's locks: children hung on a futex)
     with open(os.path.join(dst, "pyproject.toml"), "a") as f:
         f.write("\n[tool.mutmut]\n"
                 f'source_paths = ["compactionrl_fast/{name}.py"]\n'
                 f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
-                'also_copy = ["kernels", "tests", "compactionrl_fast", "benchmarks", "csrc"]\n')
+                'also_copy = ["kernels", "tests", "compactionrl_fast", "benchmarks", "csrc"]\n'
+                'process_isolation = "forkserver"\n')
     mutmut = [sys.executable, "-m", "mutmut"]
     t0 = time.time()
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -64,9 +64,14 @@ def test_server_args():
     assert a[a.index("--kv-cache-memory-bytes") + 1] == str(1 << 28) and "processed_logprobs" in a
 
 
+# Ctrl-C's handler, as in an interactive shell: a shell starts background jobs with SIGINT ignored, and a child
+# inherits that (then Python installs no KeyboardInterrupt handler and SIGINT does nothing)
+INTERACTIVE = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+
+
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
 def test_replicas_stop_when_the_launcher_is_stopped(how):
-    code = ("import time\nfrom compactionrl_fast.rollout.servers import launch\n"
+    code = (INTERACTIVE + "import time\nfrom compactionrl_fast.rollout.servers import launch\n"
             f"f = launch('m', 2, entry={FAKE!r}, startup_timeout_s=60)\n"
             "print(' '.join(str(p.pid) for p in f.procs), flush=True)\ntime.sleep(120)\n")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -83,7 +88,7 @@ def test_replicas_stop_when_the_launcher_is_stopped(how):
 def test_the_command_prints_the_urls_and_stops_the_replicas_on_ctrl_c():
     import urllib.request
 
-    code = (f"import sys, compactionrl_fast.rollout.servers as s; s.ENTRY = {FAKE!r}; "
+    code = (INTERACTIVE + f"import sys, compactionrl_fast.rollout.servers as s; s.ENTRY = {FAKE!r}; "
             "sys.exit(s.main(['some/model', '--replicas', '2']))")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)

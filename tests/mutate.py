@@ -32,7 +32,7 @@ MODULES = {
     # the ops' Python entries under their op's tests, the ones marked slow left out, those that torch.compile the
     # op (dynamo cannot trace mutmut's trampolines) and those that run 2-3 OpenMP threads (a process forked after
     # that hangs in libgomp: each mutant's process is a fork of the one that ran these tests), and the CUDA kernels
-    # run on the host (they test csrc/, not the module; 10-80 s each)
+    # run on the host (they test csrc/, not the module, slowly)
     "ops/gae": ["tests/ops/test_gae.py", "tests/ops/test_segment_params.py", *FAST],
     "ops/_reduction": ["tests/ops/test_reduction.py", "tests/ops/test_ppo_loss.py", "tests/ops/test_value_loss.py",
                        *FAST],
@@ -92,9 +92,8 @@ def run_module(name, tests, children, base):
     dst = os.path.join(base, name.replace("/", "_"))
     copy_tree(dst)
     # mutmut runs the tests in dst/mutants with only these folders (csrc: the loss tests compile the CUDA kernels
-    # for the host). A mutant's process forks from the one that ran the suite and may inherit a held torch lock
-    # (seen: one hung on a futex in ~100): a short timeout (4x the tests' time, not 15x) ends it, counted as not
-    # killed; mutmut's forkserver isolation avoids the hang but costs ~3 s a mutant instead of ~0.3
+    # for the host). A mutant's process is a fork of the one that ran the suite; should one still hang (see FAST),
+    # a timeout of 4x the tests' time (mutmut's default: 15x) ends it, counted as not killed
     with open(os.path.join(dst, "pyproject.toml"), "a") as f:
         f.write("\n[tool.mutmut]\n"
                 f'source_paths = ["compactionrl_fast/{name}.py"]\n'

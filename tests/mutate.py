@@ -61,9 +61,9 @@ MODULES = {
                       "tests/train/test_config.py", "tests/train/test_diagnostics.py",
                       "tests/train/test_lr_schedule.py", "tests/train/test_sync.py", "tests/train/test_host_syncs.py"],
     # the step's layout (built once per micro-batch) and its one read of the metrics
-    "train/layout": ["tests/train/test_trainer.py", "tests/train/test_host_syncs.py"],
-    "train/readout": ["tests/train/test_diagnostics.py", "tests/train/test_host_syncs.py",
-                      "tests/train/test_trainer.py"],
+    "train/layout": ["tests/train/test_layout.py", "tests/train/test_trainer.py", "tests/train/test_host_syncs.py"],
+    "train/readout": ["tests/train/test_readout.py", "tests/train/test_diagnostics.py",
+                      "tests/train/test_host_syncs.py", "tests/train/test_trainer.py"],
     # the outer loop (fit) and its log; test_faults.py trains in subprocesses, left out as above
     "train/loop": ["tests/train/test_fit.py", "tests/train/test_trainer.py", "tests/train/test_sync.py",
                    "tests/train/test_lr_schedule.py", "tests/train/test_checkpoint.py"],

@@ -66,12 +66,12 @@ def calibration_deciles(pred, target, bins: int = 10):
     return [pred.double()[c].mean() for c in chunks], [target.double()[c].mean() for c in chunks]
 
 
-def layout_part(batch, cfg, idx, ids=None) -> dict:
+def layout_part(batch, cfg, idx, ids) -> dict:
     """What the diagnostics read of the layout alone, derived where the batch is (the host, once per step):
     the compaction-shape numbers and the cross-segment factors (host values), and the positions in the
     trainable tokens `idx` [N] of exec tokens, summary tokens and the tokens of a rollout's k-th summary.
-    ids: `segment_ids(batch)` (None: derived here)."""
-    seg, roll, n = segment_ids(batch) if ids is None else ids
+    ids: `segment_ids(batch)`."""
+    seg, roll, n = ids
     R = batch.cu_segments.numel() - 1
     mask = batch.loss_mask
     kind = batch.segment_kind.long()

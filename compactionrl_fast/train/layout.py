@@ -20,9 +20,6 @@ import torch
 from . import diagnostics, dist
 from .model import action_index, forward_tables
 
-PADDED_RATIO = 0.8  # the padded forward's buckets: at most 1 - ratio of a bucket is padding
-
-
 def reward_mode(cfg) -> str:
     """Where `place_final_rewards` puts the final reward for cfg.cross_segment."""
     return "stitched" if cfg.cross_segment == "stitched" else "paper"
@@ -37,9 +34,9 @@ def policy_mask(batch, cfg, seg=None):
     return batch.loss_mask & (batch.segment_kind.long()[seg] == diagnostics.EXEC)
 
 
-def selected_offsets(batch, idx, mask, seg=None):
-    """cu_seqlens [S+1] over the selected positions `idx` (the layout the losses see), and the mask there."""
-    seg = diagnostics.segment_ids(batch)[0] if seg is None else seg
+def selected_offsets(batch, idx, mask, seg):
+    """cu_seqlens [S+1] over the selected positions `idx` (the layout the losses see), and the mask there.
+    seg: the segment of each token [T] (`diagnostics.segment_ids`)."""
     S = batch.cu_seqlens.numel() - 1
     counts = torch.zeros(S, dtype=torch.long, device=idx.device).index_add_(0, seg[idx], torch.ones_like(idx))
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)]), mask[idx]
@@ -97,7 +94,7 @@ class MicroBatch:
         return cls(batch=batch, idx=idx, rewards=placed_rewards(batch, cfg), reward_mode=reward_mode(cfg),
                    loss_cu=cu, value_mask=value_mask, policy_mask=pm, policy_pos=pos,
                    rollout_logprobs=batch.rollout_logprobs[idx].float(),
-                   tables=forward_tables(batch.cu_attn, PADDED_RATIO),
+                   tables=forward_tables(batch.cu_attn),
                    diag=diagnostics.layout_part(batch, cfg, idx, ids), host=host, n_tokens=idx.numel(),
                    n_policy=pos.numel())
 
@@ -115,7 +112,7 @@ class MicroBatch:
         b = copy.copy(self.batch)
         for k, v in vars(b).items():
             setattr(b, k, move(v))
-        kw = {f.name: move(getattr(self, f.name)) for f in fields(self) if f.name not in ("batch", "host")}
+        kw = {f.name: move(getattr(self, f.name)) for f in fields(self) if f.name != "batch"}
         return replace(self, batch=b, **kw)
 
     def to(self, device) -> "MicroBatch":
@@ -134,19 +131,17 @@ def concat_layout(layouts, masks):
     return torch.cat([m.reshape(-1) for m in masks]), torch.cat(cu_seq), torch.cat(cu_seg)
 
 
-def denominator(layouts, masks, reduction: str, group=None, device=None, nccl=None):
+def denominator(layouts, masks, reduction: str, group=None, device=None):
     """Global count (all micro-batches, all ranks) of the reduction's units: tokens, or segments or
     rollouts with a masked token; None for "sum". At least 1, so an all-masked batch gives loss 0.
 
-    A Python int, except over NCCL ranks (`nccl`, None: asked here): a tensor on `device` (the all-reduce
-    runs there; no host read)."""
+    A Python int, except over NCCL ranks: a tensor on `device` (the all-reduce runs there; no host read)."""
     from ..ops import global_denominator
 
     if reduction == "sum":
         return None
     mask, cu_seq, cu_seg = concat_layout(layouts, masks)
-    if nccl is None:
-        nccl = dist.world()[1] > 1 and torch.distributed.get_backend(group) == "nccl"
+    nccl = dist.world()[1] > 1 and torch.distributed.get_backend(group) == "nccl"
     if nccl:
         mask, cu_seq, cu_seg = mask.to(device), cu_seq.to(device), cu_seg.to(device)
     n = global_denominator(reduction, mask, cu_seqlens=cu_seq, cu_segments=cu_seg, group=group, as_tensor=nccl)
@@ -163,12 +158,11 @@ class Denominators:
     @classmethod
     def build(cls, mbs: list, minibatches: list, cfg, group=None, device=None) -> "Denominators":
         hosts = [m.host for m in mbs]
-        nccl = dist.world()[1] > 1 and torch.distributed.get_backend(group) == "nccl"
-        value = denominator(hosts, [h.loss_mask for h in hosts], "token-mean", group, device, nccl)
+        value = denominator(hosts, [h.loss_mask for h in hosts], "token-mean", group, device)
         policy = []
         for mb in minibatches:
             sub = [hosts[j] for j in mb]
-            policy.append(denominator(sub, [h.policy_mask for h in sub], cfg.loss_reduction, group, device, nccl))
+            policy.append(denominator(sub, [h.policy_mask for h in sub], cfg.loss_reduction, group, device))
         return cls(value, policy)
 
 

@@ -16,7 +16,7 @@ def _mb(b, cfg):
     from types import SimpleNamespace
 
     idx = b.loss_mask.nonzero()[:, 0]
-    return SimpleNamespace(batch=b, idx=idx, diag=D.layout_part(b, cfg, idx))
+    return SimpleNamespace(batch=b, idx=idx, diag=D.layout_part(b, cfg, idx, D.segment_ids(b)))
 
 
 def _diagnostics(b, adv, values, ret, cfg):

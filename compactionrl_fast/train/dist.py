@@ -16,19 +16,20 @@ def world() -> tuple[int, int]:
 def global_sum(x: float, group=None) -> float:
     if world()[1] == 1:
         return float(x)
-    dev = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    t = torch.tensor([float(x)], dtype=torch.float64, device=dev)
-    dist.all_reduce(t, group=group)
-    return float(t)
+    return _reduce_number(float(x), dist.ReduceOp.SUM, group)
 
 
 def global_max(x: float, group=None) -> float:
     """Max of `x` over ranks (NaN counts as +inf)."""
     if world()[1] == 1:
         return float(x)
-    dev = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    t = torch.tensor([float(x) if not math.isnan(x) else math.inf], dtype=torch.float64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return _reduce_number(math.inf if math.isnan(x) else float(x), dist.ReduceOp.MAX, group)
+
+
+def _reduce_number(x: float, op, group) -> float:
+    """All-reduce of one host number, through a tensor where the backend takes it (NCCL: the GPU)."""
+    t = torch.tensor([x], dtype=torch.float64, device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    dist.all_reduce(t, op=op, group=group)
     return float(t)
 
 

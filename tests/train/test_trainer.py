@@ -433,6 +433,17 @@ def test_global_sum_and_all_reduce_grads_in_a_two_rank_world(monkeypatch):
     assert len(w.calls) == n  # nothing to reduce
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CUDA tensor is asked for where none can be made")
+@pytest.mark.parametrize("fn", ["global_sum", "global_max"])
+def test_host_numbers_go_through_the_gpu_over_nccl(monkeypatch, fn):
+    from compactionrl_fast.train import dist
+
+    w = _FakeWorld(monkeypatch, backend="nccl")
+    with pytest.raises((AssertionError, RuntimeError), match="(?i)compiled with cuda|nvidia driver|no cuda gpus"):
+        getattr(dist, fn)(1.0, group="g")
+    assert w.backend_groups == ["g"] and w.calls == []
+
+
 def test_evaluate_splits_seeds_over_ranks_and_averages(monkeypatch):
     from types import SimpleNamespace
 

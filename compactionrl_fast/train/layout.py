@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, fields, replace
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -171,7 +171,6 @@ def as_micro_batches(batches: list, cfg) -> list:
     return [b if isinstance(b, MicroBatch) else MicroBatch.build(b, cfg) for b in batches]
 
 
-def layout_on(batch, cfg, device: Optional[str] = None) -> MicroBatch:
-    """The layout of a host batch, built on the host and moved to `device` (None: stays)."""
-    mb = MicroBatch.build(batch, cfg)
-    return mb if device is None or torch.device(device).type == "cpu" else mb.to(device)
+def layout_on(batch, cfg, device="cpu") -> MicroBatch:
+    """The layout of a host batch, built on the host and moved to `device` (CPU tensors stay as they are)."""
+    return MicroBatch.build(batch, cfg).to(device)

@@ -92,19 +92,21 @@ def run_module(name, tests, children, base):
     dst = os.path.join(base, name.replace("/", "_"))
     copy_tree(dst)
     # mutmut runs the tests in dst/mutants with only these folders (csrc: the loss tests compile the CUDA kernels
-    # for the host). A mutant's process is a fork of the one that ran the suite; should one still hang (see FAST),
-    # a timeout of 4x the tests' time (mutmut's default: 15x) ends it, counted as not killed
+    # for the host; docs: the CLI tests compare docs/config.md). A mutant's process is a fork of the one that ran
+    # the suite; should one still hang (see FAST), a timeout of 4x the tests' time (mutmut's default: 15x) ends
+    # it, counted as not killed
     with open(os.path.join(dst, "pyproject.toml"), "a") as f:
         f.write("\n[tool.mutmut]\n"
                 f'source_paths = ["compactionrl_fast/{name}.py"]\n'
                 f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
-                'also_copy = ["kernels", "tests", "compactionrl_fast", "benchmarks", "csrc"]\n'
+                'also_copy = ["kernels", "tests", "compactionrl_fast", "benchmarks", "csrc", "docs"]\n'
                 'timeout_multiplier = 4\n')
     mutmut = [sys.executable, "-m", "mutmut"]
     t0 = time.time()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(mutmut + ["run", "--max-children", str(children)], cwd=dst, env=env, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    with open(os.path.join(dst, "mutmut-run.log"), "w") as log:
+        subprocess.run(mutmut + ["run", "--max-children", str(children)], cwd=dst, env=env, stdout=log,
+                       stderr=subprocess.STDOUT)
     res = subprocess.run(mutmut + ["results", "--all", "true"], cwd=dst, env=env, capture_output=True, text=True)
     status = {}
     for line in res.stdout.splitlines():
@@ -115,7 +117,7 @@ def run_module(name, tests, children, base):
     for st in status.values():
         counts[st] = counts.get(st, 0) + 1
     killed, total = counts.get("killed", 0), len(status)
-    tested = total - counts.get("no tests", 0)
+    tested = total - counts.get("no tests", 0) - counts.get("not checked", 0)
     return {"module": name, "tests": tests, "mutants": total, "counts": counts, "seconds": round(time.time() - t0),
             "kill_rate": killed / tested if tested else None,
             "survived": sorted(m for m, st in status.items() if st == "survived")}
@@ -136,6 +138,9 @@ def main(argv=None):
         row = run_module(name, MODULES[name], args.children, base)
         rows.append(row)
         rate = "-" if row["kill_rate"] is None else f"{row['kill_rate']:.0%}"
+        if row["counts"].get("not checked"):  # the unmutated tests failed or the run stopped: nothing to rate
+            print(f"{name}: {row['counts']['not checked']} mutants not checked; see "
+                  f"{os.path.join(base, name.replace('/', '_'), 'mutmut-run.log')}", flush=True)
         print(f"{name:24s} mutants {row['mutants']:4d}  killed of tested {rate:>4s}  {row['counts']}  "
               f"{row['seconds']} s", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -94,8 +94,6 @@ def fit(state: trainer.State, *, engine, make_envs, tokenizer, rollout_cfg, pack
         metrics_fn: rollouts -> dict of task-specific metrics logged with each step (this rank's rollouts).
         tuner: a `threads.ThreadTuner` that sets the CPU thread count of each step (None: leave it).
     """
-    from ..rollout.loop import run_rollouts
-
     cfg = state.cfg
     rank, ws = dist.world()
     if cfg.rollouts_per_step % ws:
@@ -124,8 +122,8 @@ def fit(state: trainer.State, *, engine, make_envs, tokenizer, rollout_cfg, pack
             if not pretrain:
                 sync_s += push_weights(engine, state.actor)
         rm = rollout_metrics(rollouts)
-        if ws > 1:  # the fixed keys are averaged over ranks; the environments' info keys stay rank 0's
-            rm.update({k: dist.global_sum(v, state.group) / ws for k, v in rm.items() if not k.startswith("info/")})
+        # the fixed keys are averaged over ranks; the environments' info keys stay rank 0's
+        rm.update({k: dist.global_sum(v, state.group) / ws for k, v in rm.items() if not k.startswith("info/")})
         metrics.update(rm)
         if metrics_fn is not None:
             metrics.update(metrics_fn(rollouts))
@@ -136,7 +134,7 @@ def fit(state: trainer.State, *, engine, make_envs, tokenizer, rollout_cfg, pack
         if eval_fn is not None and not pretrain and cfg.eval_every and (state.step - cfg.value_pretrain_steps) % cfg.eval_every == 0:
             metrics.update(eval_fn(state))
         gap_now = metrics.get("sampler/logp_absdiff_max")
-        if gap_now is not None and ws > 1:  # every rank sees the same gap, so all raise or none
+        if gap_now is not None:  # every rank sees the same gap, so all raise or none
             gap_now = metrics["sampler/logp_absdiff_max"] = dist.global_max(gap_now, state.group)
         bad = cfg.sampler_logp_tol is not None and gap_now is not None and not gap_now <= cfg.sampler_logp_tol
         if it % cfg.log_every == 0 or state.step == total or bad:

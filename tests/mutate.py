@@ -65,8 +65,8 @@ MODULES = {
     "train/readout": ["tests/train/test_readout.py", "tests/train/test_diagnostics.py",
                       "tests/train/test_host_syncs.py", "tests/train/test_trainer.py"],
     # the outer loop (fit) and its log; test_faults.py trains in subprocesses, left out as above
-    "train/loop": ["tests/train/test_loop.py", "tests/train/test_fit.py", "tests/train/test_trainer.py", "tests/train/test_sync.py",
-                   "tests/train/test_lr_schedule.py", "tests/train/test_checkpoint.py"],
+    "train/loop": ["tests/train/test_loop.py", "tests/train/test_fit.py", "tests/train/test_trainer.py",
+                   "tests/train/test_sync.py", "tests/train/test_lr_schedule.py", "tests/train/test_checkpoint.py"],
     "train/log": ["tests/train/test_io.py", "tests/train/test_fit.py", "tests/train/test_trainer.py",
                   "tests/train/test_lr_schedule.py"],
     # single-process paths only: the 2-process ones run in tests/test_ddp.py's subprocesses

@@ -75,8 +75,8 @@ MODULES = {
     # single-process paths only: the 2-process ones run in tests/test_ddp.py's subprocesses
     "train/dist": ["tests/train/test_trainer.py", "tests/train/test_fit.py"],
     # the config's checks and sources (YAML, flags, --set), and the CLI help built from them
-    "train/checks": ["tests/train/test_config.py", "tests/test_cli.py"],
-    "train/config_load": ["tests/train/test_config.py", "tests/test_cli.py"],
+    "train/checks": ["tests/train/test_checks.py", "tests/train/test_config.py", "tests/test_cli.py"],
+    "train/config_load": ["tests/train/test_config_load.py", "tests/train/test_config.py", "tests/test_cli.py"],
 }
 
 

@@ -26,7 +26,8 @@ HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CHUNK_ELEMS = 1 << 22  # rows per chunk * H for the torch path's float32 upcast (16 MiB)
 
 
-def _rows(T, H):
+def _rows(H):
+    """Rows per chunk of the torch path at width H."""
     return max(1, CHUNK_ELEMS // max(H, 1))
 
 
@@ -36,7 +37,7 @@ def _torch_fwd(hidden, w32, b32):
     else:
         T, H = hidden.shape
         out = torch.empty(T, dtype=torch.float32, device=hidden.device)
-        c = _rows(T, H)
+        c = _rows(H)
         for i in range(0, T, c):
             torch.mv(hidden[i:i + c].float(), w32, out=out[i:i + c])
     return out if b32 is None else out + b32
@@ -61,11 +62,11 @@ def _torch_bwd(hidden, w32, g, need_dh, need_dw):
         dw = torch.mv(hidden.t(), g) if need_dw else None
         if need_dw and not torch.compiler.is_compiling() and not bool(torch.isfinite(dw).all()):
             dw = torch.zeros(H, dtype=torch.float32, device=hidden.device)
-            c = _rows(T, H)
+            c = _rows(H)
             for i in range(0, T, c):
                 dw += torch.mv(_masked_rows(hidden[i:i + c], g[i:i + c]).t(), g[i:i + c])
         return dh, dw
-    c = _rows(T, H)
+    c = _rows(H)
     dh = torch.empty_like(hidden) if need_dh else None
     dw = torch.zeros(H, dtype=torch.float32, device=hidden.device) if need_dw else None
     for i in range(0, T, c):
@@ -98,9 +99,13 @@ def _fwd_torch(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor
     return _torch_fwd(hidden, weight, bias)
 
 
-def _bwd_torch(hidden: Tensor, weight: Tensor, grad: Tensor, need_dh: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
-    dh, dw = _torch_bwd(hidden, weight, grad, need_dh, need_dw)
+def _bwd_outputs(hidden, weight, dh, dw):
+    """A bwd op's outputs: a gradient not asked for is an empty tensor ([0]; the op schema has no None)."""
     return (hidden.new_empty(0) if dh is None else dh), (weight.new_empty(0) if dw is None else dw)
+
+
+def _bwd_torch(hidden: Tensor, weight: Tensor, grad: Tensor, need_dh: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
+    return _bwd_outputs(hidden, weight, *_torch_bwd(hidden, weight, grad, need_dh, need_dw))
 
 
 def _fwd_triton(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -112,8 +117,7 @@ def _fwd_triton(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tenso
 def _bwd_triton(hidden: Tensor, weight: Tensor, grad: Tensor, need_dh: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
     from ..kernels.value_head import value_head_bwd
 
-    dh, dw = value_head_bwd(hidden, weight, grad, need_dh, need_dw)
-    return (hidden.new_empty(0) if dh is None else dh), (weight.new_empty(0) if dw is None else dw)
+    return _bwd_outputs(hidden, weight, *value_head_bwd(hidden, weight, grad, need_dh, need_dw))
 
 
 def _setup_context(ctx, inputs, output):
@@ -190,6 +194,6 @@ def value_head_loss(hidden, weight, bias, old_values, returns, loss_mask, **valu
     Returns:
         (loss float32 [], metrics dict as for `value_loss`).
     """
-    backend = value_loss_kwargs.get("backend", "auto")
+    backend = value_loss_kwargs.get("backend")
     values = value_head(hidden, weight, bias, backend=backend if backend in ("triton", "cpp", "torch") else "auto")
     return value_loss(values, old_values, returns, loss_mask, **value_loss_kwargs)

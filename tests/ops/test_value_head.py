@@ -222,9 +222,74 @@ def test_torch_forward_pieces(monkeypatch):
     assert vh._torch_fwd(h, w, None).tolist() == [-1.0, -1.0, -1.0]
     assert vh._torch_fwd(h, w, torch.tensor(0.5)).tolist() == [-0.5, -0.5, -0.5]
     assert vh._torch_fwd(h.float(), w, torch.tensor(0.5)).tolist() == [-0.5, -0.5, -0.5]
-    assert vh._rows(3, 2) == 1 and vh._rows(3, 0) == 2 and vh._rows(3, 5) == 1
+    assert vh._rows(2) == 1 and vh._rows(0) == 2 and vh._rows(5) == 1
     monkeypatch.setattr(vh, "CHUNK_ELEMS", 12)
-    assert vh._rows(3, 4) == 3 and vh._rows(3, 5) == 2
+    assert vh._rows(4) == 3 and vh._rows(5) == 2
+
+
+@pytest.mark.parametrize("bwd", ["value_head_bwd", "value_head_bwd_torch"])
+def test_the_registered_backward_formula(bwd):
+    """The autograd formula each fwd op is registered with (built once at import): d hidden and d weight from
+    the backend's bwd op, d bias = sum(grad), None where an input needs no gradient."""
+    from types import SimpleNamespace
+
+    if bwd == "value_head_bwd" and "cpp" not in available(torch.device("cpu")):
+        pytest.skip("the C++ extension is not built")
+    g64 = torch.Generator().manual_seed(0)
+    h, w = torch.randn(6, 4, generator=g64), torch.randn(4, generator=g64)
+    grad = torch.randn(6, generator=g64)
+    backward = vh._backward_of(bwd)
+    for need in [(True, True, True), (False, True, False), (True, False, True), (False, False, False)]:
+        ctx = SimpleNamespace(saved_tensors=(h, w), needs_input_grad=need)
+        dh, dw, db = backward(ctx, grad.double())  # a float64 grad is taken as float32
+        want = (torch.outer(grad, w), h.t() @ grad, grad.sum())
+        for got, n, exp in zip((dh, dw, db), need, want):
+            assert got is None if not n else torch.allclose(got, exp, rtol=1e-6, atol=1e-6)
+
+
+def test_bwd_ops_return_empty_gradients_not_asked_for():
+    h, w, g = torch.ones(3, 2, dtype=torch.bfloat16), torch.ones(2), torch.ones(3)
+    for bwd in ("value_head_bwd_torch",) + (("value_head_bwd",) if "cpp" in available(torch.device("cpu")) else ()):
+        op = getattr(torch.ops.compactionrl_fast, bwd)
+        dh, dw = op(h, w, g, False, False)
+        assert dh.shape == dw.shape == (0,)
+        dh, dw = op(h, w, g, True, False)
+        assert dh.shape == (3, 2) and dw.shape == (0,)
+        dh, dw = op(h, w, g, False, True)
+        assert dh.shape == (0,) and dw.shape == (2,) and dw.dtype == torch.float32
+
+
+@pytest.mark.usefixtures("_modest_chunk_budget")
+def test_torch_path_keeps_float32_under_a_float64_default():
+    """The torch path's buffers are float32 whatever torch's default dtype (users set float64)."""
+    h = torch.tensor([[1.0, 2.0], [float("inf"), 3.0], [4.0, -1.0]])
+    w, g = torch.tensor([0.5, -2.0]), torch.tensor([1.0, 0.0, 2.0])
+    want = [vh._torch_fwd(h.bfloat16(), w, None), *vh._torch_bwd(h.bfloat16(), w, g, True, True),
+            *vh._torch_bwd(h, w, g, True, True)]  # float32 with an inf row of zero gradient: the masked redo
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = [vh._torch_fwd(h.bfloat16(), w, None), *vh._torch_bwd(h.bfloat16(), w, g, True, True),
+               *vh._torch_bwd(h, w, g, True, True)]
+    finally:
+        torch.set_default_dtype(old)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert want[2].dtype == want[4].dtype == torch.float32 and want[4].tolist() == [9.0, 0.0]
+
+
+@pytest.mark.usefixtures("_modest_chunk_budget")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_off_cpu_allocates_there_and_leaves_hidden_alone(dtype):
+    """Off the CPU (meta tensors stand in for a GPU) the buffers are made on hidden's device, and the masked
+    upcast of d_weight never writes into the caller's hidden (a float32 hidden's .float() is hidden itself)."""
+    h = torch.empty(5, 3, dtype=dtype, device="meta")
+    w, g = torch.empty(3, device="meta"), torch.empty(5, device="meta")
+    v0 = h._version
+    out = vh._torch_fwd(h, w, None)
+    dh, dw = vh._torch_bwd(h, w, g, True, True)
+    assert out.device.type == dh.device.type == dw.device.type == "meta"
+    assert out.dtype == dw.dtype == torch.float32 and dh.dtype == dtype and h._version == v0
 
 
 @pytest.mark.usefixtures("_modest_chunk_budget")

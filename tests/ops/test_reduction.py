@@ -438,3 +438,41 @@ def test_register_loss_op(monkeypatch):
     assert len(out) == 3 and out[0].tolist() == [4.0]
     with pytest.raises(RuntimeError, match="^compactionrl_fast::loss"):
         backward(ctx, torch.tensor(2.0), None, None)
+
+
+@pytest.mark.parametrize("reduction, denominator", [(r, d) for r in ("token-mean", "segment-mean", "rollout-mean")
+                                                     for d in (None, 4.0, "tensor")] + [("sum", None)])
+def test_torch_weights_make_every_buffer_on_the_input_device(reduction, denominator):
+    """The torch formulation off the CPU (meta tensors stand in for another device): no CPU buffer, no host
+    read (a repeat_interleave without its output size would need one)."""
+    from compactionrl_fast.ops._reduction import segment_counts, segment_weights_torch, unit_counts
+
+    mask = torch.empty(9, dtype=torch.bool, device="meta")
+    cu, seg = torch.empty(4, dtype=torch.int64, device="meta"), torch.empty(3, dtype=torch.int64, device="meta")
+    den = torch.empty((), device="meta") if denominator == "tensor" else denominator
+    w = segment_weights_torch(mask, cu, seg, reduction, den)
+    assert w.device.type == "meta" and w.shape == (3,) and w.dtype == torch.float64
+    n, d = unit_counts(mask, cu, seg, reduction)
+    assert n.device.type == d.device.type == "meta" and n.shape == (3,)
+    assert segment_counts(mask, cu).device.type == "meta"
+
+
+def test_cuda_tensors_take_the_triton_ops():
+    """On CUDA (fake tensors here) the counts and the weights are the Triton ops' (one call each)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compactionrl_fast.ops._reduction import segment_counts, segment_weights
+
+    if not _dispatch.has_triton():
+        pytest.skip("needs triton")
+    with FakeTensorMode():
+        mask = torch.ones(9, dtype=torch.bool, device="cuda")
+        cu, seg = torch.tensor([0, 3, 6, 9], device="cuda"), torch.tensor([0, 2, 3], device="cuda")
+        rec = RecordOps()
+        with rec:
+            n = segment_counts(mask, cu)
+            w = segment_weights(mask, cu, seg, "segment-mean")
+        assert n.shape == (3,) and n.dtype == torch.int64 and w.shape == (3,) and w.dtype == torch.float64
+    assert [f for f, _ in rec.calls] == ["compactionrl_fast.segment_counts_triton.default",
+                                         "compactionrl_fast.segment_weights_triton.default"]
+    assert rec.args("segment_counts_triton")[0] is mask and rec.args("segment_counts_triton")[1] is cu

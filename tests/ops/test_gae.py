@@ -1287,3 +1287,26 @@ def test_fake_impl_is_registered_for_the_cpp_ops():
         for n in names:
             adv, ret = getattr(torch.ops.compactionrl_fast, n)(r, r, mask, cu, cu, None, 1.0, 1.0, 0, 1.5, 1, 1.0)
             assert adv.shape == ret.shape == (7,) and adv.dtype == ret.dtype == torch.float32
+
+
+@pytest.mark.parametrize("stitched", [False, True])
+def test_place_makes_every_buffer_on_the_input_device(stitched):
+    """The Python placement off the CPU (meta tensors stand in for a GPU): every buffer on the inputs' device,
+    no host read."""
+    mask = torch.empty(9, dtype=torch.bool, device="meta")
+    cu, cs = torch.empty(4, dtype=torch.int64, device="meta"), torch.empty(3, dtype=torch.int64, device="meta")
+    out = ops_gae._place_final_rewards(torch.empty(2, device="meta"), mask, cu, cs, stitched)
+    assert out.device.type == "meta" and out.shape == (9,) and out.dtype == torch.float32
+
+
+def test_the_fake_impls_give_the_ops_shapes():
+    """What torch.compile and fake CUDA tensors see of the placement and the per-segment numbers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        mask = torch.ones(9, dtype=torch.bool)
+        cu, cs = torch.tensor([0, 3, 6, 9]), torch.tensor([0, 2, 3])
+        out = torch.ops.compactionrl_fast.place_final_rewards(torch.ones(2, dtype=torch.float64), mask, cu, cs, False)
+        p = ops_gae._params_fake(mask, cu, cs, None, 1.0, 0.9, 0, 1.5, 1, -1.0)
+    assert out.shape == (9,) and out.dtype == torch.float32
+    assert p.shape == (4, 3) and p.dtype == torch.float64

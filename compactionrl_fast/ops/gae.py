@@ -247,9 +247,8 @@ def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None
         rollout_rewards: [R] float.
         loss_mask: [T] bool; cu_seqlens: [S+1]; cu_segments: [R+1] or None (one segment per rollout).
     """
-    check_tensor("loss_mask", loss_mask, dtypes=(torch.bool,), ndim=1)
-    check_tensor("rollout_rewards", rollout_rewards, dtypes=FLOAT_DTYPES, ndim=1, device=loss_mask.device)
     cu_seqlens, cu_segments, S, R = _check_packed(None, None, loss_mask, cu_seqlens, cu_segments)
+    check_tensor("rollout_rewards", rollout_rewards, dtypes=FLOAT_DTYPES, ndim=1, device=loss_mask.device)
     check_choice("mode", mode, tuple(REWARD_PLACEMENT))
     if rollout_rewards.numel() != R:
         raise ValueError(f"rollout_rewards must have one reward per rollout (R={R}), got shape "

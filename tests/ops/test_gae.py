@@ -1310,3 +1310,18 @@ def test_the_fake_impls_give_the_ops_shapes():
         p = ops_gae._params_fake(mask, cu, cs, None, 1.0, 0.9, 0, 1.5, 1, -1.0)
     assert out.shape == (9,) and out.dtype == torch.float32
     assert p.shape == (4, 3) and p.dtype == torch.float64
+
+
+def test_segment_params_torch_backend_is_the_reference():
+    """backend="torch" runs the reference's torch ops, no custom op; "cpp" the C++ op."""
+    mask = torch.tensor([True, True, False, True])
+    cu, cs = torch.tensor([0, 2, 4]), torch.tensor([0, 2])
+    rec = RecordOps()
+    with rec:
+        got = crf.segment_params(mask, cu, cs, backend="torch")
+    assert rec.calls == []
+    if "cpp" in available(torch.device("cpu")):
+        with rec:
+            want = crf.segment_params(mask, cu, cs, backend="cpp")
+        assert [f for f, _ in rec.calls] == ["compactionrl_fast.segment_gae_params.default"]
+        torch.testing.assert_close(got, want)

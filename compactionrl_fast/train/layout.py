@@ -20,6 +20,7 @@ import torch
 from . import diagnostics, dist
 from .model import action_index, forward_tables
 
+
 def reward_mode(cfg) -> str:
     """Where `place_final_rewards` puts the final reward for cfg.cross_segment."""
     return "stitched" if cfg.cross_segment == "stitched" else "paper"

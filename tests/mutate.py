@@ -122,6 +122,7 @@ def run_module(name, tests, children, base):
     killed, total = counts.get("killed", 0), len(status)
     tested = total - counts.get("no tests", 0) - counts.get("not checked", 0)
     return {"module": name, "tests": tests, "mutants": total, "counts": counts, "seconds": round(time.time() - t0),
+            "log": os.path.join(dst, "mutmut-run.log"),
             "kill_rate": killed / tested if tested else None,
             "survived": sorted(m for m, st in status.items() if st == "survived")}
 
@@ -142,8 +143,7 @@ def main(argv=None):
         rows.append(row)
         rate = "-" if row["kill_rate"] is None else f"{row['kill_rate']:.0%}"
         if row["counts"].get("not checked"):  # the unmutated tests failed or the run stopped: nothing to rate
-            print(f"{name}: {row['counts']['not checked']} mutants not checked; see "
-                  f"{os.path.join(base, name.replace('/', '_'), 'mutmut-run.log')}", flush=True)
+            print(f"{name}: {row['counts']['not checked']} mutants not checked; see {row['log']}", flush=True)
         print(f"{name:24s} mutants {row['mutants']:4d}  killed of tested {rate:>4s}  {row['counts']}  "
               f"{row['seconds']} s", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

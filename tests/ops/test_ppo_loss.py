@@ -293,7 +293,8 @@ def test_no_grad_and_half_precision_inputs(backend):
 
 @pytest.mark.skipif("cpp" not in BACKENDS, reason="the cpp backend defines the op schema")
 # the multi-block case is the slow one on the host (8x4 blocks); make test-all runs it
-@pytest.mark.parametrize("case", ["single_token", "empty_segments", "no_trainable", pytest.param("long_multiblock", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", ["single_token", "empty_segments", "no_trainable",
+                                  pytest.param("long_multiblock", marks=pytest.mark.slow)])
 def test_cuda_kernels_on_host_match_reference(monkeypatch, cuda_host_lib, case):
     b, threads = host.host_case(monkeypatch, cuda_host_lib, case)
     x = policy_inputs(b["loss_mask"].numel(), seed=len(case))

@@ -129,7 +129,8 @@ def test_explained_variance_with_large_mean_does_not_cancel(backend):
 
 @pytest.mark.skipif("cpp" not in BACKENDS, reason="the cpp backend defines the op schema")
 # the multi-block case is the slow one on the host (8x4 blocks); make test-all runs it
-@pytest.mark.parametrize("case", ["single_token", "no_trainable", pytest.param("long_multiblock", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", ["single_token", "no_trainable",
+                                  pytest.param("long_multiblock", marks=pytest.mark.slow)])
 def test_cuda_kernels_on_host_match_reference(monkeypatch, cuda_host_lib, case):
     b, threads = host.host_case(monkeypatch, cuda_host_lib, case)
     x = value_inputs(b["loss_mask"].numel(), seed=len(case), offset=100.0)  # EV with a large mean

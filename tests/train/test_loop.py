@@ -3,7 +3,6 @@
 The real steps run in test_fit.py, test_sync.py and test_trainer.py; here rollouts, packing and the step are
 replaced by recorders, so the loop's own bookkeeping is checked number by number.
 """
-import math
 from types import SimpleNamespace
 
 import pytest

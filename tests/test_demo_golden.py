@@ -41,19 +41,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden", "demo_mini.json")
 MINI_ARGS = ["--progress", "false", "--steps", "3", "--value-pretrain-steps", "1", "--rollouts-per-step", "32",
              "--eval-rollouts", "32", "--gap-every", "2", "--set", "sft.steps=150", "--set", "sft.rollouts_per_step=16",
-             "--set", "sft.expert_drop_p=0", "--set", "env.n_digits=1", "--set", "rollout.budget=64"]
+             "--set", "sft.expert_drop_p=0", "--set", "env.n_digits=1", "--set", "rollout.budget=64",
+             "--set", "ppo_epochs_from=1"]
 # logged keys that are not numbers of the method: wall times, the thread count, and the sampler-vs-learner gap
-# (rounding by construction: ~1e-6 absolute, so any relative tolerance is arbitrary)
-SKIP = ("time/", "threads", "sampler/")
-# Relative tolerance per metric (its logged name), >= 7x the largest deviation measured between 8
-# numerical environments [in brackets]. A change of the recipe moves some metric far more: clip_high 0.2 -> 0.21
-# moves only actor/policy_loss (tokens clipped at both bounds: same gradient, another loss), by 6.1e-4;
-# adaptive_alpha 1.5 -> 1.51 moves 80 values, up to 74x their tolerance.
+# (rounding by construction: ~1e-6 absolute, so any relative tolerance is arbitrary); and the critic's calibration
+# by decile of predicted value, whose bins change when near-equal predictions swap places (2 threads: 0.0625 -> 0)
+SKIP = ("time/", "threads", "sampler/", "value_decile_real")
+# Relative tolerance per metric (its logged name), >= 7x the largest deviation measured between the numerical
+# environments of benchmarks/results/repro-any-machine.md [in brackets]. A change of the recipe moves some metric
+# far more (numbers in repro-any-machine.md, "The golden miniature with three PPO epochs").
 REL_TOL = 1e-4  # every other metric [1.0e-5: critic_grad_norm]
 TOLERANCES = {
-    # statistics of log-prob differences after a PPO update [6.4e-4: actor/grad_norm]
-    **{f"actor/{k}": 5e-3 for k in ("approx_kl", "rollout_kl", "log_ratio", "ratio_max", "grad_norm",
-                                    "rollout_logp_absdiff_max")},
+    # log-prob differences after PPO updates: two more epochs amplify rounding [2.0e-3: approx_kl, 2 threads,
+    # MKL and ATen at AVX2]
+    **{f"actor/{k}": 1.5e-2 for k in ("approx_kl", "rollout_kl", "log_ratio", "rollout_logp_absdiff_max")},
+    "actor/ratio_max": 5e-3, "actor/grad_norm": 5e-3,  # [6.4e-4: actor/grad_norm]
     "adv_exec_mean": 5e-4,  # a mean of advantages that nearly cancel [4.1e-5]
     # 1 - var(ret - v) / var(ret) near 0 (the 2-head model's ablation: -3.3e-5) [5.2e-4, AVX2 MKL + ATen]
     "critic/explained_variance": 5e-3, "value_explained_variance": 5e-3,

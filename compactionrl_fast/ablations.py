@@ -66,15 +66,18 @@ def run(base: TrainConfig, *, seeds=(0, 1, 2), variants=tuple(VARIANTS), name="a
                "machine": {**machine(base.threads), "demo_workers": workers}, "versions": versions(),
                "variants": {v: VARIANTS[v][0] for v in variants}, "runs": {str(s): {} for s in seeds}}
     local = dict(tuner=tuner, engine=None, progress=progress)
-    sft_jobs = [(base, seed, base.eval_rollouts) for seed in seeds]
-    rl_jobs = [(base, seed, v, base.eval_rollouts, VARIANTS[v][1]) for seed in seeds for v in variants]
-    for (seed, _), res in demo._run_jobs(demo._sft_job, sft_jobs, workers, base, local):
-        results["runs"][str(seed)]["sft"] = res["sft"]
-    for (seed, v), res in demo._run_jobs(demo._rl_job, rl_jobs, workers, base, local):
-        results["runs"][str(seed)][v] = {**res[v], "time_s": res[f"{v}_time_s"]}
-    for seed in seeds:
-        for v in variants:
+    sft_jobs = [(demo._sft_job, (base, seed)) for seed in seeds]
+    rl_jobs = [(demo._rl_job, (base, seed, v, base.eval_rollouts, VARIANTS[v][1])) for seed in seeds for v in variants]
+    rl_jobs += [(demo._sft_eval_job, (base, seed, base.eval_rollouts)) for seed in seeds]
+    for _ in demo._run_jobs(sft_jobs, workers, base, local):
+        pass
+    for (seed, v), res in demo._run_jobs(rl_jobs, workers, base, local):
+        if v == "sft":
+            results["runs"][str(seed)]["sft"] = res["sft"]
+        else:
+            results["runs"][str(seed)][v] = {**res[v], "time_s": res[f"{v}_time_s"]}
             plot_run(os.path.join(base.run_dir, f"seed{seed}", v))
+    results["runs"] = {s: {k: run[k] for k in ["sft", *variants]} for s, run in results["runs"].items()}
     results["total_time_s"] = time.time() - t0
     results["summary"] = summarise(results, variants)
     os.makedirs(base.run_dir, exist_ok=True)

@@ -54,19 +54,21 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
                "machine": machine(cfg.threads), "versions": versions(), "runs": {}}
     results["machine"]["demo_workers"] = workers
     local = dict(tuner=tuner, engine=shared, progress=progress)
-    sft_jobs = [(cfg, seed, eval_rollouts) for seed in seeds]
-    rl_jobs = [(cfg, seed, vname, eval_rollouts) for seed in seeds
+    sft_jobs = [(_sft_job, (cfg, seed)) for seed in seeds]
+    # the SFT evaluations last: they fill the cores that the shorter RL runs leave idle
+    rl_jobs = [(_rl_job, (cfg, seed, vname, eval_rollouts)) for seed in seeds
                for vname in ("full",) + (("ablation",) if seed in ablation_seeds else ())]
-    for fn, jobs in ((_sft_job, sft_jobs), (_rl_job, rl_jobs)):
-        for (seed, key), res in _run_jobs(fn, jobs, workers, cfg, local):
+    rl_jobs += [(_sft_eval_job, (cfg, seed, eval_rollouts)) for seed in seeds]
+    for jobs in (sft_jobs, rl_jobs):
+        for (seed, key), res in _run_jobs(jobs, workers, cfg, local):
             results["runs"].setdefault(str(seed), {}).update(res)
-            print_eval(f"seed {seed} {key}", res[key])
-    for seed in seeds:  # plots here: one process draws them all
-        root = os.path.join(cfg.run_dir, f"seed{seed}")
-        for part in ("sft", "full", "ablation"):
-            if os.path.isfile(os.path.join(root, part, "metrics.jsonl")) and (part != "sft" or cfg.sft.steps > 0):
-                plot_run(os.path.join(root, part))
-    results["runs"] = {str(s): results["runs"][str(s)] for s in seeds}
+            if key in res:  # an evaluation
+                print_eval(f"seed {seed} {key}", res[key])
+            if f"{key}_time_s" in res and (key != "sft" or cfg.sft.steps > 0):  # a training run: its plots,
+                plot_run(os.path.join(cfg.run_dir, f"seed{seed}", key))  # here while the other jobs run
+    parts = ["sft", "full", "ablation"]  # each seed's results in job order, whatever order the jobs ended in
+    results["runs"] = {str(s): dict(sorted(results["runs"][str(s)].items(), key=lambda kv: parts.index(
+        kv[0].split("_")[0]))) for s in seeds}
     results["total_time_s"] = time.time() - t0
     # this process (all threads) plus its finished child processes (the job workers)
     results["cpu_time_s"] = time.process_time() - c0 + _children_cpu() - k0
@@ -99,20 +101,24 @@ def _workers(cfg: TrainConfig, workers) -> int:
     return workers
 
 
-def _run_jobs(fn, jobs, workers, cfg, local):
-    """fn(*job) for every job -> [((seed, key), result)] in job order: in this process (sharing its thread
-    tuner and engine) when there is one worker or one job, else in min(workers, jobs) spawned processes."""
+def _run_jobs(jobs, workers, cfg, local):
+    """fn(*args) for every (fn, args) in `jobs`, yielding ((seed, key), result) as each ends: in this process
+    (sharing its thread tuner and engine, in job order) when there is one worker or one job, else in
+    min(workers, jobs) spawned processes that take the jobs in order."""
     if workers <= 1 or len(jobs) <= 1:
-        return [fn(*job, **local) for job in jobs]
+        for fn, args in jobs:
+            yield fn(*args, **local)
+        return
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     n = min(workers, len(jobs))
     threads = cfg.threads if isinstance(cfg.threads, int) and cfg.threads > 0 else max(1, (os.cpu_count() or 1) // n)
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
                              initargs=(threads,)) as pool:
-        futures = [pool.submit(fn, *job, progress=local["progress"], position=i) for i, job in enumerate(jobs)]
-        return [f.result() for f in futures]
+        futures = [pool.submit(fn, *args, progress=local["progress"], position=i) for i, (fn, args) in enumerate(jobs)]
+        for f in as_completed(futures):
+            yield f.result()
 
 
 def _children_cpu() -> float:
@@ -131,8 +137,9 @@ def _sft_weights(cfg: TrainConfig, seed: int) -> str:
     return os.path.join(cfg.run_dir, f"seed{seed}", "sft", "weights.pt")
 
 
-def _sft_job(cfg, seed, eval_rollouts, *, progress=True, tuner=None, engine=None, position=None):
-    """SFT of one seed from scratch; saves its weights for the RL jobs; -> ((seed, "sft"), results)."""
+def _sft_job(cfg, seed, *, progress=True, tuner=None, engine=None, position=None):
+    """SFT of one seed from scratch; saves its weights for the RL and evaluation jobs; -> ((seed, "sft"),
+    results)."""
     t = time.time()
     bar_position(position)
     scfg = update(cfg, {"seed": seed, "run_dir": os.path.join(cfg.run_dir, f"seed{seed}", "sft")})
@@ -140,11 +147,20 @@ def _sft_job(cfg, seed, eval_rollouts, *, progress=True, tuner=None, engine=None
     actor = build(scfg, tok)
     os.makedirs(scfg.run_dir, exist_ok=True)
     m = run_sft(scfg, actor, tok, make_envs, rcfg, log=MetricsLog(scfg.run_dir), tuner=tuner, progress=progress)
-    res = {"sft_time_s": time.time() - t, "sft_final_loss": m.get("sft/loss")}
     torch.save(actor.state_dict(), _sft_weights(cfg, seed))
-    res["sft"] = run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature, progress=progress,
-                          desc=f"eval   seed {seed} SFT", engine=engine or make_engine(scfg, actor, tok))
-    return (seed, "sft"), res
+    return (seed, "sft"), {"sft_time_s": time.time() - t, "sft_final_loss": m.get("sft/loss")}
+
+
+def _sft_eval_job(cfg, seed, eval_rollouts, *, progress=True, tuner=None, engine=None, position=None):
+    """The evaluation of the seed's SFT weights; -> ((seed, "sft"), {"sft": evaluation})."""
+    bar_position(position)
+    scfg = update(cfg, {"seed": seed})
+    tok, make_envs, rcfg = task(scfg)
+    actor = build(scfg, tok)
+    actor.load_state_dict(torch.load(_sft_weights(cfg, seed), weights_only=True))
+    return (seed, "sft"), {"sft": run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature,
+                                           progress=progress, desc=f"eval   seed {seed} SFT",
+                                           engine=engine or make_engine(scfg, actor, tok))}
 
 
 def _rl_job(cfg, seed, vname, eval_rollouts, overrides=None, *, progress=True, tuner=None, engine=None,

@@ -169,19 +169,21 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
         for g in state.opt_actor.param_groups:
             g["lr"] = lr
         epochs = cfg.ppo_epochs if max(update, 0) >= cfg.ppo_epochs_from else 1
-        # behaviour log-probs, frozen before the first actor step; the first mini-batch of a single epoch
-        # is trained before any step, so its live log-probs (detached) are the behaviour ones
-        skip = set(minibatches[0]) if epochs == 1 else set()
+        # behaviour log-probs, frozen before the first actor step; the first mini-batch is trained before
+        # any step, so its live log-probs (detached, kept by _actor_update for later epochs) are the behaviour ones
         old = [None] * len(mbs)
         with torch.no_grad():
             for i, m in enumerate(mbs):
-                if i not in skip and any(i in mb for mb in minibatches):
+                if i not in minibatches[0] and any(i in mb for mb in minibatches):
                     old[i] = actor_logprobs(actor, m.batch, m.idx, temperature=cfg.temperature, tables=m.tables)
         rec["actor"] = []
         for _ in range(epochs):
             for j, mb in enumerate(minibatches):
                 sub = lambda xs: [xs[i] for i in mb]  # noqa: E731
-                rec["actor"].append(_actor_update(state, sub(mbs), sub(adv), sub(old), den.policy[j], gaps))
+                behaviour = sub(old)
+                rec["actor"].append(_actor_update(state, sub(mbs), sub(adv), behaviour, den.policy[j], gaps))
+                for i, b in zip(mb, behaviour):
+                    old[i] = b
     elif measure_gap:
         with torch.no_grad():
             gaps = [sampler_gap(actor_logprobs(actor, m.batch, m.idx, temperature=cfg.temperature, tables=m.tables),
@@ -240,9 +242,9 @@ def _total(losses) -> float:
 
 def _actor_update(state, mbs, adv, old, den, gaps) -> tuple:
     """One actor optimiser step over micro-batches; `old`: behaviour log-probs [N] per micro-batch, None
-    where the current policy is the behaviour policy (its log-probs detached: ratio 1 in value). Appends
-    each micro-batch's sampler gap (behaviour vs rollout log-probs) to `gaps`. Returns (metric rows, losses,
-    gradient norm), on the device."""
+    where the current policy is the behaviour policy (its log-probs detached: ratio 1 in value; stored into
+    `old` for the later epochs). Appends each micro-batch's sampler gap (behaviour vs rollout log-probs) to
+    `gaps`. Returns (metric rows, losses, gradient norm), on the device."""
     from ..ops import ppo_policy_loss
 
     cfg, actor, group = state.cfg, state.actor, state.group
@@ -252,8 +254,10 @@ def _actor_update(state, mbs, adv, old, den, gaps) -> tuple:
         b = m.batch
         logp, ent = actor_logprobs(actor, b, m.idx, temperature=cfg.temperature, return_entropy=True, tables=m.tables)
         rollout_lp = m.rollout_logprobs
-        gaps.append(sampler_gap(logp if old[i] is None else old[i], b, m.idx))
-        loss, met = ppo_policy_loss(logp, logp.detach() if old[i] is None else old[i], adv[i][m.idx], m.policy_mask,
+        if old[i] is None:
+            old[i] = logp.detach()
+        gaps.append(sampler_gap(old[i], b, m.idx))
+        loss, met = ppo_policy_loss(logp, old[i], adv[i][m.idx], m.policy_mask,
                                     cu_seqlens=m.loss_cu, cu_segments=b.cu_segments, clip_low=cfg.clip_low,
                                     clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
                                     rollout_logprobs=rollout_lp if cfg.tis_cap else None, tis_cap=cfg.tis_cap,

@@ -641,8 +641,10 @@ def _logprob_calls(monkeypatch):
 @pytest.mark.parametrize("epochs,minibatches,behaviour,updates", [
     (1, [[0], [1], [2]], [1, 2], 3),  # one epoch: the first mini-batch is trained before any step
     (1, [[0], [1]], [1], 2),  # a micro-batch in no mini-batch gets no pass
-    (2, [[0], [1]], [0, 1], 4),
-    (2, [[1, 2]], [1, 2], 4),
+    # more epochs: the first mini-batch's live log-probs of the first epoch are kept as its behaviour ones
+    (2, [[0], [1]], [1], 4),
+    (2, [[1, 2]], [], 4),
+    (3, [[2], [0, 1]], [0, 1], 9),
 ])
 def test_behaviour_passes_only_where_a_step_came_before(monkeypatch, epochs, minibatches, behaviour, updates):
     bs = [hand_batch(seed=s) for s in (0, 1, 2)]
@@ -667,7 +669,7 @@ def test_ppo_epochs_start_at_ppo_epochs_from(monkeypatch):
         m = train_step(state, [b], diagnose=False)
         passes.append(len(calls))
         assert (m["actor/ratio_max"] == pytest.approx(1.0)) == (step < 2)
-    assert passes == [1, 4, 4]  # 3 epochs: a behaviour pass and 3 updates
+    assert passes == [1, 3, 3]  # 3 epochs: 3 updates; the first one's log-probs are the behaviour ones
 
 
 def test_the_sampler_gap_of_a_critic_only_step_only_when_asked():

@@ -16,13 +16,13 @@ the change; print how far this machine (or a changed recipe: add `--set KEY=VALU
 
 What is equal where. The numbers go through torch's matmuls (MKL, which picks its kernels by instruction
 set and splits its sums by the threads it gets) and ATen's vectorized kernels (chosen by instruction set),
-so other CPUs and thread counts round differently, and training amplifies that: after 3 PPO steps the
-KL-type metrics differ by up to 6e-4 relative. The sampled tokens, and with them every count, reward and
-evaluation, stayed equal everywhere it was measured. So the golden comparison allows, per metric, at least
-7x the largest deviation measured between 8 numerical environments (the golden file's machine, this one at
-1 and 2 threads, MKL_ENABLE_INSTRUCTIONS=AVX2, ATEN_CPU_CAPABILITY=avx2, MKL_CBWR=AVX2,STRICT; TOLERANCES,
-data in benchmarks/results/repro-any-machine.md); a change of the recipe such as clip_high 0.2 -> 0.21
-exceeds it.
+so other CPUs and thread counts round differently, and training amplifies that: after 3 PPO steps (the
+last two with three epochs) the KL-type metrics differ by up to 2e-3 relative. The sampled tokens, and with
+them every count, reward and evaluation, stayed equal everywhere it was measured. So the golden comparison
+allows, per metric, at least 7x the largest deviation measured between numerical environments (the golden
+file's machine, this one at 1 and 2 threads, MKL_ENABLE_INSTRUCTIONS=AVX2, ATEN_CPU_CAPABILITY=avx2,
+MKL_CBWR=AVX2,STRICT; TOLERANCES, data in benchmarks/results/repro-any-machine.md); a change of the recipe
+such as adaptive_alpha 4.0 -> 4.04 or clip_low 0.2 -> 0.19 exceeds it.
 Bitwise equality holds on one machine in MKL's strict CNR mode (MKL_CBWR=AVX2,STRICT): 1 and 2 threads
 then give the same numbers (the second test, run in two subprocesses with that environment).
 """

@@ -151,13 +151,19 @@ def _sft_job(cfg, seed, *, progress=True, tuner=None, engine=None, position=None
     return (seed, "sft"), {"sft_time_s": time.time() - t, "sft_final_loss": m.get("sft/loss")}
 
 
+def _from_sft(run_cfg, cfg, seed):
+    """(tokenizer, env factory, rollout config, actor) of `run_cfg`, the actor at the seed's saved SFT weights."""
+    tok, make_envs, rcfg = task(run_cfg)
+    actor = build(run_cfg, tok)
+    actor.load_state_dict(torch.load(_sft_weights(cfg, seed), weights_only=True))
+    return tok, make_envs, rcfg, actor
+
+
 def _sft_eval_job(cfg, seed, eval_rollouts, *, progress=True, tuner=None, engine=None, position=None):
     """The evaluation of the seed's SFT weights; -> ((seed, "sft"), {"sft": evaluation})."""
     bar_position(position)
     scfg = update(cfg, {"seed": seed})
-    tok, make_envs, rcfg = task(scfg)
-    actor = build(scfg, tok)
-    actor.load_state_dict(torch.load(_sft_weights(cfg, seed), weights_only=True))
+    tok, make_envs, rcfg, actor = _from_sft(scfg, cfg, seed)
     return (seed, "sft"), {"sft": run_eval(actor, tok, make_envs, rcfg, eval_rollouts, cfg.temperature,
                                            progress=progress, desc=f"eval   seed {seed} SFT",
                                            engine=engine or make_engine(scfg, actor, tok))}
@@ -172,9 +178,7 @@ def _rl_job(cfg, seed, vname, eval_rollouts, overrides=None, *, progress=True, t
     if overrides is None:
         overrides = {"train_summary_tokens": vname == "full"}
     vcfg = update(cfg, {"seed": seed, "run_dir": os.path.join(cfg.run_dir, f"seed{seed}", vname), **overrides})
-    tok, make_envs, rcfg = task(vcfg)
-    actor = build(vcfg, tok)
-    actor.load_state_dict(torch.load(_sft_weights(cfg, seed), weights_only=True))
+    tok, make_envs, rcfg, actor = _from_sft(vcfg, cfg, seed)
     engine = engine or make_engine(vcfg, actor, tok)
     run_rl(vcfg, actor, tok, make_envs, rcfg, tuner=tuner, progress=progress, engine=engine)
     res = {f"{vname}_time_s": time.time() - t, f"{vname}_phases_s": _phase_times(vcfg.run_dir)}

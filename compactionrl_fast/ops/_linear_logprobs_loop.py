@@ -55,7 +55,9 @@ def _stats_torch(z, y, lse, logp, ent, tmp, rowmax=None, logsum=None):
         rowmax.copy_(m)
         logsum.copy_(log_s)
     if ent is not None:  # H = log s - E[d], never lse - E[z] (cancellation when lse is large)
-        ent.copy_(log_s - e.mul_(z).sum(1) / s)  # mul + pairwise sum: 10x more precise than a bmm dot
+        # mul + pairwise sum: 10x more precise than a bmm dot; p log p = 0 at a -inf logit (0 * -inf = NaN;
+        # a NaN or +inf logit makes log s NaN anyway)
+        ent.copy_(log_s - e.mul_(z).nan_to_num_(nan=0.0).sum(1) / s)
     return log_s
 
 

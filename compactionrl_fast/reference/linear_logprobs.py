@@ -25,7 +25,10 @@ def linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, retu
     logp = logp_all.gather(1, targets.long()[:, None])[:, 0]
     if not return_entropy:
         return logp
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    # p log p -> 0 as p -> 0: a -inf logit (a masked token) adds 0, not 0 * -inf = NaN; log p is replaced
+    # before the product, so its gradient is 0 there too (a NaN logit still makes the row NaN)
+    p = logp_all.exp()
+    entropy = -(p * torch.where(p > 0, logp_all, 0.0)).sum(-1)
     return logp, entropy
 
 

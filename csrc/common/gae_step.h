@@ -90,42 +90,51 @@ struct GaeState {
   double a, v, ac;
 };
 
-// state' = M(state):  a' = xa*a + ya*v + pa,  v' = z*v + q,  ac' = xc*ac + yc*v + pc.
+// state' = M(state):  a' = xa*a + ya*v + pa,  v' = z*v + q,  ac' = xc*ac + yc*v + pc.  z is 1 for the
+// identity (no token) and 0 once a token replaced v; stop = 1 once the recurrence stopped inside the range
+// (the state is then ignored). Those two cases are selects, never products with 0: the sequential
+// recurrence (and the reference) never multiplies a replaced or reset state, so a NaN or inf there must
+// not turn into NaN through 0 * inf. The other products are the recurrence's own (gamma*lam times A).
 struct GaeMap {
-  double xa, ya, pa, z, q, xc, yc, pc;
+  double xa, ya, pa, z, q, xc, yc, pc, stop;
 };
 
-CRF_HD GaeMap identity_map() { return GaeMap{1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0}; }
+CRF_HD GaeMap identity_map() { return GaeMap{1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0}; }
 
 CRF_HD GaeState apply(const GaeMap& m, const GaeState& s) {
+  if (m.z != 0.0) return s;  // the identity
+  if (m.stop != 0.0) return GaeState{m.pa, m.q, m.pc};
   GaeState o;
   o.a = m.xa * s.a + m.ya * s.v + m.pa;
-  o.v = m.z * s.v + m.q;
+  o.v = m.q;
   o.ac = m.xc * s.ac + m.yc * s.v + m.pc;
   return o;
 }
 
 // The map of `earlier` applied after `later` (later tokens act first: the recurrence runs backwards).
 CRF_HD GaeMap then(const GaeMap& later, const GaeMap& e) {
+  if (e.z != 0.0) return later;  // e is the identity
+  if (later.z != 0.0 || e.stop != 0.0) return e;
   GaeMap o;
   o.xa = e.xa * later.xa;
-  o.ya = e.xa * later.ya + e.ya * later.z;
+  o.ya = e.xa * later.ya;  // + e.ya * later.z, which is 0
   o.pa = e.xa * later.pa + e.ya * later.q + e.pa;
-  o.z = e.z * later.z;
-  o.q = e.z * later.q + e.q;
+  o.z = 0.0;
+  o.q = e.q;
   o.xc = e.xc * later.xc;
-  o.yc = e.xc * later.yc + e.yc * later.z;
+  o.yc = e.xc * later.yc;
   o.pc = e.xc * later.pc + e.yc * later.q + e.pc;
+  o.stop = later.stop;
   return o;
 }
 
 // m <- (trainable token) after m: the token's map is gae_step's, a' = (r - v) + gamma*v_next + gamma_lam*a_next.
 CRF_HD void push_token(GaeMap& m, double r, double v, double gamma, double gamma_lam, double gamma_lam_critic) {
-  const GaeMap t{gamma_lam, gamma, r - v, 0.0, v, gamma_lam_critic, gamma, r - v};
+  const GaeMap t{gamma_lam, gamma, r - v, 0.0, v, gamma_lam_critic, gamma, r - v, 0.0};
   m = then(m, t);
 }
 
 // m <- (the recurrence stops here) after m: nothing flows past this point.
-CRF_HD void push_reset(GaeMap& m) { m = GaeMap{}; }
+CRF_HD void push_reset(GaeMap& m) { m = GaeMap{0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0}; }
 
 }  // namespace crf

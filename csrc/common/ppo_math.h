@@ -5,6 +5,7 @@
 // a select whose arm does float arithmetic, and a loop with control flow is not vectorised).
 // Semantics: docs/ops.md and compactionrl_fast/reference/losses.py.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -163,6 +164,81 @@ CRF_HDI F weight_scale(F l, F w) {
   const F lw = l * w;
   const F zero = l == l ? F(0) : lw;
   return w == F(0) ? zero : lw;
+}
+
+// Whether f is finite (a bit test: right whatever the compiler's floating-point options).
+CRF_HDI bool is_finite(float f) { return (float_to_bits(f) & 0x7f800000) != 0x7f800000; }
+
+// One trainable token in float64, the reference's arithmetic (compactionrl_fast/reference/losses.py) written
+// out, for the tokens whose float32 loss or KL term is not finite (the CPU and CUDA kernels redo those
+// with it). x = logp - old and d = old - rollout log-prob in float64, w the token's reduction weight,
+// dual_c = 0: no dual clip. lw = loss * w; grad = d lw / d logp as autograd forms it from these terms, term
+// by term (a branch not taken passes 0 on, which times an infinite derivative is NaN), NaN where the loss
+// is NaN.
+struct PpoToken64 {
+  double lw, grad, ratio, kl;
+  bool clipped, dual;
+};
+
+template <bool TIS>
+CRF_HDI PpoToken64 ppo_token_f64(double x, double adv, double d, double w, double lo, double hi, double dual_c,
+                                 double cap) {
+  PpoToken64 o;
+  const double r = exp(x);
+  const double rc = r < lo ? lo : (r > hi ? hi : r), na = -adv;
+  const double l1 = na * r, l2 = na * rc;
+  o.clipped = l2 > l1;
+  double l = o.clipped ? l2 : l1;
+  o.dual = false;
+  if (dual_c != 0.0) {
+    const double l3 = na * dual_c;
+    o.dual = (adv < 0.0) && (l > l3);
+    l = o.dual ? l3 : l;
+  }
+  double wis = 1.0;
+  if (TIS) {
+    wis = exp(d);
+    wis = wis > cap ? cap : wis;  // NaN stays NaN
+    l = l * wis;
+  }
+  const double gpre = o.dual ? 0.0 : (TIS ? w * wis : w);
+  const double g1 = o.clipped ? 0.0 : gpre, g2 = o.clipped ? gpre : 0.0;
+  const double gr = g1 * na + ((r >= lo) && (r <= hi) ? g2 * na : 0.0);
+  o.lw = l * w;
+  o.grad = l != l ? l : gr * r;
+  o.ratio = r;
+  o.kl = (r - 1.0) - x;
+  return o;
+}
+
+// The value loss's token in float64, as ppo_token_f64 (eps < 0: no clip): lw = loss * w, grad = d lw / d v.
+struct ValueToken64 {
+  double lw, grad;
+  bool clipped;
+};
+
+CRF_HDI ValueToken64 value_token_f64(double v, double old_v, double ret, double eps, double w) {
+  ValueToken64 o;
+  const double e1 = v - ret, q1 = e1 * e1;
+  double l, g;
+  o.clipped = false;
+  if (eps >= 0.0) {
+    const double d = v - old_v;
+    const bool inside = fabs(d) <= eps;
+    const double vc = inside ? v : old_v + (d < -eps ? -eps : (d > eps ? eps : d));  // NaN d stays NaN
+    const double e2 = vc - ret, q2 = e2 * e2;
+    o.clipped = q2 > q1;
+    const bool take2 = o.clipped | (q2 != q2);
+    l = 0.5 * (take2 ? q2 : q1);
+    const double gq = w * 0.5;
+    g = (take2 ? 0.0 : gq) * (2.0 * e1) + (inside ? (take2 ? gq : 0.0) * (2.0 * e2) : 0.0);
+  } else {
+    l = 0.5 * q1;
+    g = (w * 0.5) * (2.0 * e1);
+  }
+  o.lw = l * w;
+  o.grad = l != l ? l : g;
+  return o;
 }
 
 // max(a, b) that returns NaN when either is NaN (torch.max semantics; a plain a > b ? a : b drops it).

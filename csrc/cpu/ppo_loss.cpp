@@ -79,10 +79,8 @@ CRF_INLINE void ppo_map(const Args<idx_t>& a, int64_t t0, int64_t n, float wf, f
 // The chunk [t0, t0 + n) of one segment with reduction weight w after the float32 pass (buf) found a term
 // that is not finite. A token whose float32 loss and KL term are finite keeps the float32 pass's results
 // (they are the float64 ones rounded; its gradient keeps its bits); any other trainable token is done in
-// float64, the reference's arithmetic (compactionrl_fast/reference/losses.py) written out: its loss, its
-// metrics, and the gradient autograd forms from it, term by term (a branch not taken passes 0 on, which
-// times an infinite derivative is NaN); a token whose loss is NaN gets a NaN gradient. Adds into p.
-// noinline: the float32 loop stays small.
+// float64 by crf::ppo_token_f64 (csrc/common/ppo_math.h; the CUDA kernel redoes the same tokens with it).
+// Adds into p. noinline: the float32 loop stays small.
 template <typename idx_t, bool TIS, bool GRAD>
 __attribute__((noinline)) void ppo_chunk_f64(const Args<idx_t>& a, int64_t t0, int64_t n, double w, double* p,
                                              const float (*buf)[crf::kChunk]) {
@@ -101,37 +99,16 @@ __attribute__((noinline)) void ppo_chunk_f64(const Args<idx_t>& a, int64_t t0, i
       rm = rm != rm ? rm : (buf[R][j] > rm ? (double)buf[R][j] : rm);
       continue;
     }
-    const double old = a.old[i], adv = a.adv[i], x = (double)a.logp[i] - old, r = std::exp(x);
-    const double rc = r < lo ? lo : (r > hi ? hi : r), na = -adv;
-    const double l1 = na * r, l2 = na * rc;
-    const bool clipped = l2 > l1;
-    double l = clipped ? l2 : l1;
-    bool dual = false;
-    if (c != 0.0) {
-      const double l3 = na * c;
-      dual = (adv < 0.0) && (l > l3);
-      l = dual ? l3 : l;
-    }
-    double wis = 1.0;
-    if (TIS) {
-      wis = std::exp(old - (double)a.roll[i]);
-      wis = wis > cap ? cap : wis;  // NaN stays NaN
-      l = l * wis;
-    }
-    loss += l * w;
-    if (GRAD) {
-      const double gpre = dual ? 0.0 : (TIS ? w * wis : w);
-      const double g1 = clipped ? 0.0 : gpre, g2 = clipped ? gpre : 0.0;
-      const double gc = g2 * na;
-      const double gr = g1 * na + ((r >= lo) && (r <= hi) ? gc : 0.0);
-      const double gx = gr * r;
-      a.grad[i] = (float)(l != l ? l : gx);
-    }
+    const double old = a.old[i], x = (double)a.logp[i] - old, d = TIS ? old - (double)a.roll[i] : 0.0;
+    const crf::PpoToken64 o = crf::ppo_token_f64<TIS>(x, a.adv[i], d, w, lo, hi, c, cap);
+    loss += o.lw;
+    if (GRAD) a.grad[i] = (float)o.grad;
     tokens += 1.0;
-    clips += clipped ? 1.0 : 0.0;
-    duals += dual ? 1.0 : 0.0;
-    kl += (r - 1.0) - x;
+    clips += o.clipped ? 1.0 : 0.0;
+    duals += o.dual ? 1.0 : 0.0;
+    kl += o.kl;
     lr += x;
+    const double r = o.ratio;
     rm = rm != rm ? rm : ((r > rm) | (r != r) ? r : rm);  // the max, a NaN kept
   }
   p[kLoss] += loss;

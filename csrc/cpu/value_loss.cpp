@@ -86,10 +86,8 @@ CRF_INLINE void value_map(const Args<idx_t>& a, int64_t t0, int64_t n, float wf,
 // The chunk [t0, t0 + n) of one segment with reduction weight w after the float32 pass (buf) found a sum or
 // moment that is not finite. Sums and moments are formed again in float64; a token whose float32 loss is
 // finite keeps the float32 pass's loss and gradient (the float64 ones rounded; its gradient keeps its
-// bits); any other trainable token is done in float64, the reference's arithmetic
-// (compactionrl_fast/reference/losses.py) written out, with the gradient autograd forms from it, term by
-// term (a branch not taken passes 0 on, which times an infinite derivative is NaN); a token whose loss is
-// NaN gets a NaN gradient. Adds into p. noinline: the float32 loop stays small.
+// bits); any other trainable token is done in float64 by crf::value_token_f64 (csrc/common/ppo_math.h; the
+// CUDA kernel redoes the same tokens with it). Adds into p. noinline: the float32 loop stays small.
 template <typename idx_t, bool CLIP, bool GRAD>
 __attribute__((noinline)) void value_chunk_f64(const Args<idx_t>& a, int64_t t0, int64_t n, double w, double* p,
                                                const float (*buf)[crf::kChunk]) {
@@ -108,26 +106,10 @@ __attribute__((noinline)) void value_chunk_f64(const Args<idx_t>& a, int64_t t0,
       clips += buf[C][j];
       continue;
     }
-    const double e1 = v - ret, q1 = e1 * e1;
-    double l, g;
-    bool clipped = false;
-    if (CLIP) {
-      const double old = a.old[i], d = v - old;
-      const bool inside = std::fabs(d) <= eps;
-      const double vc = inside ? v : old + (d < -eps ? -eps : (d > eps ? eps : d));  // NaN d stays NaN
-      const double e2 = vc - ret, q2 = e2 * e2;
-      clipped = q2 > q1;
-      const bool take2 = clipped | (q2 != q2);
-      l = 0.5 * (take2 ? q2 : q1);
-      const double gq = w * 0.5;
-      g = (take2 ? 0.0 : gq) * (2.0 * e1) + (inside ? (take2 ? gq : 0.0) * (2.0 * e2) : 0.0);
-    } else {
-      l = 0.5 * q1;
-      g = (w * 0.5) * (2.0 * e1);
-    }
-    loss += l * w;
-    if (GRAD) a.grad[i] = (float)(l != l ? l : g);
-    clips += clipped ? 1.0 : 0.0;
+    const crf::ValueToken64 o = crf::value_token_f64(v, CLIP ? (double)a.old[i] : v, ret, CLIP ? eps : -1.0, w);
+    loss += o.lw;
+    if (GRAD) a.grad[i] = (float)o.grad;
+    clips += o.clipped ? 1.0 : 0.0;
   }
   if (nb <= 0.0) return;
   double m2r = 0.0, m2e = 0.0;

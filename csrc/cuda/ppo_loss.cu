@@ -25,13 +25,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cuda(
   const c10::cuda::CUDAGuard guard(logprobs.device());
   auto f32 = logprobs.options();
   at::Tensor grad = crf::grad_output(need_grad, T, f32);
-  at::Tensor part = at::empty({K::n_blocks(T), K::kParts}, f32);
+  at::Tensor part = at::empty({K::n_blocks(T), K::kParts}, f32.dtype(at::kDouble));
   at::Tensor loss = at::empty({}, f32), metrics = at::empty({5}, f32);
   K::Params p{logprobs.data_ptr<float>(), old_logprobs.data_ptr<float>(), advantages.data_ptr<float>(),
               rollout_logprobs ? rollout_logprobs->data_ptr<float>() : nullptr, loss_mask.data_ptr<bool>(),
               cu_seqlens ? cu_seqlens->data_ptr() : nullptr, seg_scale.data_ptr<double>(), S, T,
-              (float)(1.0 - clip_low), (float)(1.0 + clip_high), (float)dual_clip, (float)tis_cap,
-              need_grad ? grad.data_ptr<float>() : nullptr, part.data_ptr<float>(), loss.data_ptr<float>(),
+              (float)(1.0 - clip_low), (float)(1.0 + clip_high), (float)dual_clip, (float)tis_cap, 1.0 - clip_low,
+              1.0 + clip_high, dual_clip < 3.4028234663852886e38 ? dual_clip : 0.0, tis_cap,
+              need_grad ? grad.data_ptr<float>() : nullptr, part.data_ptr<double>(), loss.data_ptr<float>(),
               metrics.data_ptr<float>()};
   K::launch(p, cu_seqlens && cu_seqlens->scalar_type() == at::kLong, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -1,8 +1,10 @@
 // CUDA kernels of ppo_policy_loss (no torch headers: tests/test_aot.py compiles this file on its own,
 // and tests/ops/test_ppo_loss.py runs it on the host through tests/cuda_host_emu.h).
 // Pass 1: each block of kTile tokens computes the per-token loss and gradient (csrc/common/ppo_math.h,
-// the same code the CPU kernel runs) and writes its partial sums to part[block]. Pass 2: one block adds
-// the partials in a fixed order. No float atomics, so results are bitwise deterministic.
+// the same code the CPU kernel runs) and writes its partial sums to part[block]. A trainable token whose
+// float32 loss or KL term is not finite is done again in float64 (ppo_token_f64, as the CPU kernel does),
+// so the loss and KL partials are float64. Pass 2: one block adds the partials in a fixed order. No float
+// atomics, so results are bitwise deterministic.
 // The torch binding is csrc/cuda/ppo_loss.cu; semantics: compactionrl_fast/ops/ppo_loss.py.
 #pragma once
 #include "kernel_common.cuh"
@@ -26,8 +28,9 @@ struct Params {
   const double* scale;                   // [S] reduction weight of each segment's tokens
   int64_t S, T;
   float ratio_lo, ratio_hi, dual_c, tis_cap;
+  double lo64, hi64, dual64, cap64;  // the same in float64 (the float64 redo); dual64 = 0: no dual clip
   float* grad;     // [T] or null
-  float* part;     // [n_blocks, kParts]
+  double* part;    // [n_blocks, kParts]
   float* loss;     // []
   float* metrics;  // [5]
 };
@@ -55,11 +58,21 @@ struct Max {  // keeps a NaN of either side (a NaN log-prob must show in ratio_m
   __device__ T operator()(T a, T b) const { return (a > b) | (a != a) ? a : b; }
 };
 
+// The reduction weight of token t. The offsets only steer a binary search over cu[0..S]: any values (even
+// bad ones, unchecked on CUDA) give an index in [0, S), so bad offsets give wrong weights, never an
+// out-of-bounds read.
+template <typename idx_t>
+__device__ __forceinline__ double token_weight(const Params& p, int64_t t) {
+  const idx_t* cu = static_cast<const idx_t*>(p.cu);
+  return cu == nullptr ? p.scale[0] : p.scale[upper_index(cu, p.S, t)];
+}
+
 template <typename idx_t, bool TIS>
 __global__ void __launch_bounds__(kThreads) ppo_loss_block_kernel(Params p) {
-  __shared__ float smem[kThreads];
-  const idx_t* cu = static_cast<const idx_t*>(p.cu);
-  float loss = 0.f, n = 0.f, nc = 0.f, nd = 0.f, kl = 0.f, lr = 0.f, rmax = 0.f;
+  __shared__ double smem[kThreads];
+  double loss = 0.0, kl = 0.0;  // a redone token's terms may be past float32's range
+  float n = 0.f, nc = 0.f, nd = 0.f, lr = 0.f, rmax = 0.f;
+  unsigned redo = 0;  // bit i: item i is a trainable token with a float32 loss or KL term that is not finite
   const int64_t base = (int64_t)blockIdx.x * kTile;
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
@@ -76,40 +89,52 @@ __global__ void __launch_bounds__(kThreads) ppo_loss_block_kernel(Params p) {
       g = o.clipped + o.dual != 0.f ? g : tis_scale(g, wc, d);  // a clipped token's 0 (or NaN) stays
     }
     g = l != l ? l : g;  // a NaN loss term gives a NaN gradient (docs/ops.md, "Non-finite input")
-    // the offsets only steer a binary search over cu[0..S]: any values (even bad ones, unchecked on CUDA)
-    // give an index in [0, S), so bad offsets give wrong weights, never an out-of-bounds read
-    const float w = (float)(cu == nullptr ? p.scale[0] : p.scale[upper_index(cu, p.S, t)]);
-    if (p.grad != nullptr) p.grad[t] = m ? weight_scale(g, w) : 0.f;
-    loss += m ? weight_scale(l, w) : 0.f;
+    const float w = (float)token_weight<idx_t>(p, t), k = kl_term(x, o.ratio);
+    const bool bad = m & !(is_finite(l) & is_finite(k)), ok = m & !bad;
+    redo |= (unsigned)bad << i;
+    if (p.grad != nullptr) p.grad[t] = m ? weight_scale(g, w) : 0.f;  // a redone token's is written again
+    loss += ok ? weight_scale(l, w) : 0.f;
     n += m;
-    nc += m ? o.clipped : 0.f;
-    nd += m ? o.dual : 0.f;
-    kl += m ? kl_term(x, o.ratio) : 0.f;
+    nc += ok ? o.clipped : 0.f;
+    nd += ok ? o.dual : 0.f;
+    kl += ok ? k : 0.f;
     lr += m ? x : 0.f;
-    rmax = m ? nan_max(o.ratio, rmax) : rmax;
+    rmax = ok ? nan_max(o.ratio, rmax) : rmax;
   }
-  float* out = p.part + (int64_t)blockIdx.x * kParts;
-  const float vals[5] = {loss, n, nc, nd, kl};
+  // the tokens to redo in float64, after the loop, which then keeps few registers live (no spills, the
+  // occupancy of the float32-only kernel)
 #pragma unroll
-  for (int k = 0; k < 5; ++k) {
-    const float s = block_reduce(vals[k], smem, Add());
+  for (int i = 0; i < kItems; ++i) {
+    if (!(redo >> i & 1u)) continue;
+    const int64_t t = base + i * kThreads + threadIdx.x;
+    const double old = p.old[t];
+    const PpoToken64 d = ppo_token_f64<TIS>((double)p.logp[t] - old, p.adv[t], TIS ? old - (double)p.roll[t] : 0.0,
+                                            token_weight<idx_t>(p, t), p.lo64, p.hi64, p.dual64, p.cap64);
+    if (p.grad != nullptr) p.grad[t] = (float)d.grad;
+    loss += d.lw;
+    nc += d.clipped;
+    nd += d.dual;
+    kl += d.kl;
+    rmax = nan_max((float)d.ratio, rmax);
+  }
+  double* out = p.part + (int64_t)blockIdx.x * kParts;
+  const double vals[7] = {loss, n, nc, nd, kl, rmax, lr};
+#pragma unroll
+  for (int k = 0; k < 7; ++k) {
+    const double s = k == 5 ? block_reduce(vals[k], smem, Max()) : block_reduce(vals[k], smem, Add());
     if (threadIdx.x == 0) out[k] = s;
   }
-  const float mx = block_reduce(rmax, smem, Max());
-  if (threadIdx.x == 0) out[5] = mx;
-  const float slr = block_reduce(lr, smem, Add());
-  if (threadIdx.x == 0) out[6] = slr;
 }
 
 // One block: thread i adds partial rows i, i + kThreads, ... in order (double), then a fixed tree.
-__global__ void __launch_bounds__(kThreads) ppo_loss_reduce_kernel(const float* part, int64_t n_blocks, float* loss,
+__global__ void __launch_bounds__(kThreads) ppo_loss_reduce_kernel(const double* part, int64_t n_blocks, float* loss,
                                                                    float* metrics) {
   __shared__ double smem[kThreads];
   double acc[7] = {0, 0, 0, 0, 0, 0, 0};
   for (int64_t b = threadIdx.x; b < n_blocks; b += kThreads) {
 #pragma unroll
     for (int k = 0; k < 5; ++k) acc[k] += part[b * kParts + k];
-    acc[5] = Max()(acc[5], (double)part[b * kParts + 5]);
+    acc[5] = Max()(acc[5], part[b * kParts + 5]);
     acc[6] += part[b * kParts + 6];
   }
   double tot[7];
@@ -131,7 +156,7 @@ __global__ void __launch_bounds__(kThreads) ppo_loss_reduce_kernel(const float* 
 inline int64_t n_blocks(int64_t T) { return (T + kTile - 1) / kTile; }
 
 // Host launcher (non-template: it instantiates every kernel, so this file compiles to a full cubin).
-// `part` needs n_blocks(T) * kParts floats.
+// `part` needs n_blocks(T) * kParts doubles.
 void launch(const Params& p, bool cu_is_int64, cudaStream_t stream) {
   const int64_t nb = n_blocks(p.T);
   if (nb > 0) {

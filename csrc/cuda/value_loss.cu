@@ -22,11 +22,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cuda(
   const c10::cuda::CUDAGuard guard(values.device());
   auto f32 = values.options();
   at::Tensor grad = crf::grad_output(need_grad, T, f32);
-  at::Tensor part = at::empty({K::n_blocks(T), K::kParts}, f32);
+  at::Tensor part = at::empty({K::n_blocks(T), K::kParts}, f32.dtype(at::kDouble));
   at::Tensor loss = at::empty({}, f32), metrics = at::empty({3}, f32);
   K::Params p{values.data_ptr<float>(), old_values.data_ptr<float>(), returns.data_ptr<float>(),
               loss_mask.data_ptr<bool>(), cu_seqlens ? cu_seqlens->data_ptr() : nullptr, seg_scale.data_ptr<double>(),
-              S, T, (float)clip, need_grad ? grad.data_ptr<float>() : nullptr, part.data_ptr<float>(),
+              S, T, (float)clip, clip, need_grad ? grad.data_ptr<float>() : nullptr, part.data_ptr<double>(),
               loss.data_ptr<float>(), metrics.data_ptr<float>()};
   K::launch(p, cu_seqlens && cu_seqlens->scalar_type() == at::kLong, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

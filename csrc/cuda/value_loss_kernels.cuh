@@ -2,8 +2,10 @@
 // and tests/ops/test_value_loss.py runs it on the host through tests/cuda_host_emu.h).
 // Pass 1: each block of kTile tokens computes the per-token loss and gradient (csrc/common/ppo_math.h,
 // shared with the CPU kernel) and writes partials: loss, counts, sums and, for the explained variance,
-// (sum, sum of squared deviations from the block mean) of the returns and of returns - values. Pass 2:
-// one block merges the partials in a fixed order (Chan et al.), so results are bitwise deterministic.
+// (sum, sum of squared deviations from the block mean) of the returns and of returns - values, in float64
+// (returns ~1e30 square past float32). A trainable token whose float32 loss is not finite is done again in
+// float64 (value_token_f64, as the CPU kernel does). Pass 2: one block merges the partials in a fixed
+// order (Chan et al.), so results are bitwise deterministic.
 // The torch binding is csrc/cuda/value_loss.cu; semantics: compactionrl_fast/ops/value_loss.py.
 #pragma once
 #include "kernel_common.cuh"
@@ -27,8 +29,9 @@ struct Params {
   const double* scale;         // [S]
   int64_t S, T;
   float eps;       // clip range; < 0: no clip
+  double eps64;    // the same in float64 (the float64 redo)
   float* grad;     // [T] or null
-  float* part;     // [n_blocks, kParts]
+  double* part;    // [n_blocks, kParts]
   float* loss;     // []
   float* metrics;  // [3]
 };
@@ -62,55 +65,75 @@ struct Moments {
   }
 };
 
+// The reduction weight of token t. Bad offsets (unchecked on CUDA) only steer the binary search: the index
+// stays in [0, S).
+template <typename idx_t>
+__device__ __forceinline__ double token_weight(const Params& p, int64_t t) {
+  const idx_t* cu = static_cast<const idx_t*>(p.cu);
+  return cu == nullptr ? p.scale[0] : p.scale[upper_index(cu, p.S, t)];
+}
+
 template <typename idx_t>
 __global__ void __launch_bounds__(kThreads) value_loss_block_kernel(Params p) {
-  __shared__ float smem[kThreads];
-  const idx_t* cu = static_cast<const idx_t*>(p.cu);
+  __shared__ double smem[kThreads];
   const bool use_clip = p.eps >= 0.f;
   const int64_t base = (int64_t)blockIdx.x * kTile;
-  float loss = 0.f, n = 0.f, nc = 0.f, sv = 0.f, sr = 0.f;
-  float r_tok[kItems], e_tok[kItems];
+  double loss = 0.0, sv = 0.0, sr = 0.0;  // float64: a redone token's loss, returns ~1e30 (their squares)
+  float n = 0.f, nc = 0.f;
+  float r_tok[kItems], v_tok[kItems];
   bool m_tok[kItems];
+  unsigned redo = 0;  // bit i: item i is a trainable token whose float32 loss is not finite
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
     const int64_t t = base + i * kThreads + threadIdx.x;
     m_tok[i] = t < p.T && p.mask[t];
-    r_tok[i] = e_tok[i] = 0.f;
+    r_tok[i] = v_tok[i] = 0.f;
     if (t >= p.T) continue;
     const float v = p.v[t], r = p.ret[t];
     const ValueToken o = value_token(v, use_clip ? p.old[t] : v, r, use_clip ? p.eps : 0.f, use_clip);
-    // bad offsets (unchecked on CUDA) only steer the binary search: the index stays in [0, S)
-    const float w = (float)(cu == nullptr ? p.scale[0] : p.scale[upper_index(cu, p.S, t)]);
-    const bool m = m_tok[i];
-    if (p.grad != nullptr) p.grad[t] = m ? weight_scale(o.dv, w) : 0.f;
-    loss += m ? weight_scale(o.loss, w) : 0.f;
+    const float w = (float)token_weight<idx_t>(p, t);
+    const bool m = m_tok[i], bad = m & !is_finite(o.loss), ok = m & !bad;
+    redo |= (unsigned)bad << i;
+    if (p.grad != nullptr) p.grad[t] = m ? weight_scale(o.dv, w) : 0.f;  // a redone token's is written again
+    loss += ok ? weight_scale(o.loss, w) : 0.f;
     n += m;
-    nc += m ? o.clipped : 0.f;
-    sv += m ? v : 0.f;
-    sr += m ? r : 0.f;
+    nc += ok ? o.clipped : 0.f;
+    sv += m ? (double)v : 0.0;
+    sr += m ? (double)r : 0.0;
     r_tok[i] = r;
-    e_tok[i] = r - v;
+    v_tok[i] = v;
   }
-  loss = block_sum(loss, smem);
-  n = block_sum(n, smem);
-  nc = block_sum(nc, smem);
-  sv = block_sum(sv, smem);
-  sr = block_sum(sr, smem);
-  const float mean_r = sr / (n > 1.f ? n : 1.f), mean_e = (sr - sv) / (n > 1.f ? n : 1.f);
-  float m2r = 0.f, m2e = 0.f;
+  // the tokens to redo in float64, after the loop (as in ppo_loss_kernels.cuh)
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
-    const float dr = r_tok[i] - mean_r, de = e_tok[i] - mean_e;
-    m2r += m_tok[i] ? dr * dr : 0.f;
-    m2e += m_tok[i] ? de * de : 0.f;
+    if (!(redo >> i & 1u)) continue;
+    const int64_t t = base + i * kThreads + threadIdx.x;
+    const ValueToken64 d = value_token_f64(v_tok[i], use_clip ? p.old[t] : v_tok[i], r_tok[i], use_clip ? p.eps64 : -1.0,
+                                           token_weight<idx_t>(p, t));
+    if (p.grad != nullptr) p.grad[t] = (float)d.grad;
+    loss += d.lw;
+    nc += d.clipped;
+  }
+  loss = block_sum(loss, smem);
+  const double nb = block_sum<double>(n, smem);
+  const double ncb = block_sum<double>(nc, smem);
+  sv = block_sum(sv, smem);
+  sr = block_sum(sr, smem);
+  const double mean_r = sr / (nb > 1.0 ? nb : 1.0), mean_e = (sr - sv) / (nb > 1.0 ? nb : 1.0);
+  double m2r = 0.0, m2e = 0.0;
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const double r = r_tok[i], dr = r - mean_r, de = (r - v_tok[i]) - mean_e;
+    m2r += m_tok[i] ? dr * dr : 0.0;
+    m2e += m_tok[i] ? de * de : 0.0;
   }
   m2r = block_sum(m2r, smem);
   m2e = block_sum(m2e, smem);
   if (threadIdx.x == 0) {
-    float* out = p.part + (int64_t)blockIdx.x * kParts;
+    double* out = p.part + (int64_t)blockIdx.x * kParts;
     out[0] = loss;
-    out[1] = n;
-    out[2] = nc;
+    out[1] = nb;
+    out[2] = ncb;
     out[3] = sv;
     out[4] = sr;
     out[5] = m2r;
@@ -120,14 +143,14 @@ __global__ void __launch_bounds__(kThreads) value_loss_block_kernel(Params p) {
 }
 
 // One block: thread i merges partial rows i, i + kThreads, ... in order, then a fixed pairwise tree.
-__global__ void __launch_bounds__(kThreads) value_loss_reduce_kernel(const float* part, int64_t n_blocks,
+__global__ void __launch_bounds__(kThreads) value_loss_reduce_kernel(const double* part, int64_t n_blocks,
                                                                      float* loss, float* metrics) {
   __shared__ double sd[kThreads];
   __shared__ Moments sm_r[kThreads], sm_e[kThreads];
   double l = 0.0, nc = 0.0, sv = 0.0;
   Moments mr{0, 0, 0}, me{0, 0, 0};
   for (int64_t b = threadIdx.x; b < n_blocks; b += kThreads) {
-    const float* q = part + b * kParts;
+    const double* q = part + b * kParts;
     l += q[0];
     nc += q[2];
     sv += q[3];
@@ -160,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) value_loss_reduce_kernel(const float
 inline int64_t n_blocks(int64_t T) { return (T + kTile - 1) / kTile; }
 
 // Host launcher (non-template: it instantiates every kernel, so this file compiles to a full cubin).
-// `part` needs n_blocks(T) * kParts floats.
+// `part` needs n_blocks(T) * kParts doubles.
 void launch(const Params& p, bool cu_is_int64, cudaStream_t stream) {
   const int64_t nb = n_blocks(p.T);
   if (nb > 0) {

@@ -13,9 +13,10 @@ extern "C" void crf_ppo_loss_host(const float* logp, const float* old, const flo
                                   int64_t T, double clip_low, double clip_high, double dual_clip, double tis_cap,
                                   float* grad, float* loss, float* metrics) {
   namespace K = crf::ppo_cuda;
-  std::vector<float> part(K::n_blocks(T) * K::kParts);
+  std::vector<double> part(K::n_blocks(T) * K::kParts);
   K::Params p{logp, old, adv, roll, mask, cu, scale, S, T, (float)(1.0 - clip_low), (float)(1.0 + clip_high),
-              (float)dual_clip, (float)tis_cap, grad, part.data(), loss, metrics};
+              (float)dual_clip, (float)tis_cap, 1.0 - clip_low, 1.0 + clip_high,
+              dual_clip < 3.4028234663852886e38 ? dual_clip : 0.0, tis_cap, grad, part.data(), loss, metrics};
   K::launch(p, is64 != 0, nullptr);
 }
 
@@ -23,7 +24,7 @@ extern "C" void crf_value_loss_host(const float* v, const float* old, const floa
                                     const void* cu, int is64, const double* scale, int64_t S, int64_t T,
                                     double clip, float* grad, float* loss, float* metrics) {
   namespace K = crf::value_cuda;
-  std::vector<float> part(K::n_blocks(T) * K::kParts);
-  K::Params p{v, old, ret, mask, cu, scale, S, T, (float)clip, grad, part.data(), loss, metrics};
+  std::vector<double> part(K::n_blocks(T) * K::kParts);
+  K::Params p{v, old, ret, mask, cu, scale, S, T, (float)clip, clip, grad, part.data(), loss, metrics};
   K::launch(p, is64 != 0, nullptr);
 }

@@ -485,10 +485,9 @@ def test_gae_params_kernel_matches_reference(cross, lam, length, lam_critic):
 
 # ---------------------------------------------------------------- CUDA kernels, run on the host
 
-@pytest.fixture(scope="module", params=[(8, 4), (256, 8)], ids=["tile=8x4", "tile=256x8"])
-def cuda_host_lib(request, tmp_path_factory):
-    """csrc/cuda/gae_kernels.cuh built with g++ over tests/cuda_host_emu.h: small tiles (many tiles, several
-    carry-kernel rounds) and the GPU tile shape."""
+def build_cuda_host(tmp_dir, threads, items):
+    """csrc/cuda/gae_kernels.cuh built with g++ over tests/cuda_host_emu.h at tiles of threads x items tokens:
+    the library, with its entry point's ctypes signature."""
     import ctypes
     import os
     import shutil
@@ -497,8 +496,7 @@ def cuda_host_lib(request, tmp_path_factory):
     if shutil.which("g++") is None:
         pytest.skip("g++ not found")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    threads, items = request.param
-    out = str(tmp_path_factory.mktemp("gae_cuda_host") / "gae_host.so")
+    out = os.path.join(str(tmp_dir), "gae_host.so")
     # -fno-gnu-unique: each build keeps its own template statics (the emulated shared memory)
     subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-fno-gnu-unique",
                     f"-DCRF_GAE_THREADS={threads}", f"-DCRF_GAE_ITEMS={items}", "-I", os.path.join(root, "csrc"),
@@ -508,10 +506,18 @@ def cuda_host_lib(request, tmp_path_factory):
     lib.crf_gae_host.restype = None
     lib.crf_gae_host.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_double] * 4 + \
         [ctypes.c_int64] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
-    return lib, threads * items
+    return lib
 
 
-def _route_cpp_to_cuda_host(monkeypatch, lib):
+@pytest.fixture(scope="module", params=[(8, 4), (256, 8)], ids=["tile=8x4", "tile=256x8"])
+def cuda_host_lib(request, tmp_path_factory):
+    """The CUDA kernels on the host: small tiles (many tiles, several carry-kernel rounds) and the GPU tile
+    shape. (library, tokens per tile)."""
+    threads, items = request.param
+    return build_cuda_host(tmp_path_factory.mktemp("gae_cuda_host"), threads, items), threads * items
+
+
+def route_cpp_to_cuda_host(monkeypatch, lib):
     """backend="cpp" calls the CUDA kernels on the host instead (same schema, same argument preparation)."""
     from compactionrl_fast.kernels._launch import empty
 
@@ -533,7 +539,7 @@ def _route_cpp_to_cuda_host(monkeypatch, lib):
 @pytest.mark.parametrize("case", list(SHAPE_TABLE))
 def test_cuda_kernels_on_host_match_reference(monkeypatch, cuda_host_lib, case):
     lib, tile = cuda_host_lib
-    _route_cpp_to_cuda_host(monkeypatch, lib)
+    route_cpp_to_cuda_host(monkeypatch, lib)
     if tile > 32 and case != "long_multiblock":
         pytest.skip("the GPU tile shape runs on the case that spans several tiles")
     for k, mode in enumerate(MODES):
@@ -552,7 +558,7 @@ def test_cuda_kernels_on_host_random_batches(monkeypatch, cuda_host_lib):
     lib, tile = cuda_host_lib
     if tile > 32:
         pytest.skip("small tiles only")
-    _route_cpp_to_cuda_host(monkeypatch, lib)
+    route_cpp_to_cuda_host(monkeypatch, lib)
     for seed in range(3):
         b = packed_batch(random_case(seed, n_rollouts=5, max_len=150), seed=seed)
         for mode in MODES:

@@ -15,6 +15,9 @@ import torch
 
 import compactionrl_fast as crf
 from compactionrl_fast.ops._dispatch import available
+from tests.ops import _losses_cuda_host as cuda_host
+from tests.ops.test_gae import build_cuda_host as gae_cuda_host
+from tests.ops.test_gae import route_cpp_to_cuda_host as route_gae_to_cuda_host
 from compactionrl_fast.reference import gae as ref_gae
 from compactionrl_fast.reference.linear_logprobs import linear_logprobs as ref_llp_fn
 from compactionrl_fast.reference import losses as ref
@@ -22,6 +25,8 @@ from compactionrl_fast.reference import losses as ref
 CPU = torch.device("cpu")
 LOSS_BACKENDS = [b for b in ("cpp", "triton", "torch") if b in available(CPU)]
 LLP_BACKENDS = ["torch"] + [b for b in ("triton",) if b in available(CPU)]
+# the CUDA C++ kernels too (losses, segment_gae), run on the host (tests/cuda_host_emu.h)
+CUDA_HOST = "cuda-c++-on-host"
 INF, NAN = float("inf"), float("nan")
 
 T = 40
@@ -46,7 +51,6 @@ KNOWN = {
     ("triton", "adv=-3e38"): "float32 -A*ratio overflows (no float64 redo in the Triton kernel)",
     ("triton", "ret=-3e38"): "float32 partial moments overflow (explained_variance NaN)",
     ("triton", "huge"): "float32 partial moments overflow (explained_variance NaN)",
-    ("triton", "b=-inf"): "entropy: the reference's 0 * -inf = NaN against the kernel's limit 0",
 }
 
 
@@ -54,6 +58,23 @@ def known(request, backend, name):
     why = KNOWN.get((backend, name))
     if why:
         request.applymarker(pytest.mark.xfail(strict=True, reason=why))
+
+
+@pytest.fixture(scope="module")
+def cuda_host_libs(tmp_path_factory):
+    """The CUDA C++ kernels of the losses and of segment_gae built for the host, at small block shapes."""
+    return (cuda_host.build(tmp_path_factory.mktemp("nonfinite_losses_host"), *cuda_host.SHAPES[0]),
+            gae_cuda_host(tmp_path_factory.mktemp("nonfinite_gae_host"), 8, 4))
+
+
+def route(request, monkeypatch, backend):
+    """The backend to call: CUDA_HOST is backend="cpp" routed to the CUDA kernels' host builds."""
+    if backend != CUDA_HOST:
+        return backend
+    losses, gae = request.getfixturevalue("cuda_host_libs")
+    cuda_host.route_cpp_to_cuda_host(monkeypatch, losses)
+    route_gae_to_cuda_host(monkeypatch, gae)
+    return "cpp"
 
 
 def same(got, want, what, atol=1e-6):
@@ -84,6 +105,7 @@ POLICY_CASES = [
     ("logratio=100,adv<0", {"logratio": 100.0, "advantages": -1.0}),
     ("logratio=100,adv=0", {"logratio": 100.0, "advantages": 0.0}),
     ("logratio=-1000", {"logratio": -1000.0}),
+    ("logratio=89,adv=1e-3", {"logratio": 89.0, "advantages": 1e-3}),  # ratio past float32, the loss not
     ("roll=nan", {"rollout_logprobs": NAN}), ("roll=-inf", {"rollout_logprobs": -INF}),
     ("roll=+inf", {"rollout_logprobs": INF}),
 ]
@@ -91,6 +113,7 @@ POLICY_OPTS = {
     "plain": dict(),
     "dual+tis": dict(dual_clip=3.0, tis=True, tis_cap=2.0),
     "tis-nocap,segment-mean": dict(tis=True, reduction="segment-mean"),
+    "denominator=0": dict(denominator=0.0),  # weights 0: 0 times an infinite float64 term is NaN
 }
 
 
@@ -121,8 +144,9 @@ def _run_policy(backend, x, mask, opts):
 @pytest.mark.parametrize("opts", POLICY_OPTS, ids=str)
 @pytest.mark.parametrize("where", ["trainable", "frozen"])
 @pytest.mark.parametrize("name,case", POLICY_CASES, ids=[c[0] for c in POLICY_CASES])
-@pytest.mark.parametrize("backend", LOSS_BACKENDS)
-def test_policy_loss(request, backend, name, case, where, opts):
+@pytest.mark.parametrize("backend", LOSS_BACKENDS + [CUDA_HOST])
+def test_policy_loss(request, monkeypatch, backend, name, case, where, opts):
+    backend = route(request, monkeypatch, backend)
     if where == "trainable":
         known(request, backend, name)
     if "roll" in name and "tis" not in opts:
@@ -153,11 +177,13 @@ def _value_inputs():
 VALUE_CASES = [
     ("v=nan", {"values": NAN}), ("v=+inf", {"values": INF}), ("v=-inf", {"values": -INF}),
     ("v=3e38", {"values": 3e38}), ("v=1e30", {"values": 1e30}),
+    ("v=3e19", {"values": 3e19}),  # the square past float32, the weighted loss not
     ("ret=nan", {"returns": NAN}), ("ret=+inf", {"returns": INF}), ("ret=-3e38", {"returns": -3e38}),
     ("old=nan", {"old_values": NAN}), ("old=+inf", {"old_values": INF}), ("old=-inf", {"old_values": -INF}),
     ("old=3e38", {"old_values": 3e38}),
 ]
-VALUE_OPTS = {"noclip": dict(), "clip": dict(clip=0.2), "clip,rollout-mean": dict(clip=0.2, reduction="rollout-mean")}
+VALUE_OPTS = {"noclip": dict(), "clip": dict(clip=0.2), "clip,rollout-mean": dict(clip=0.2, reduction="rollout-mean"),
+              "clip,denominator=0": dict(clip=0.2, denominator=0.0)}
 
 
 def _value_case(case, at):
@@ -181,8 +207,9 @@ def _run_value(backend, x, mask, opts):
 @pytest.mark.parametrize("opts", VALUE_OPTS, ids=str)
 @pytest.mark.parametrize("where", ["trainable", "frozen"])
 @pytest.mark.parametrize("name,case", VALUE_CASES, ids=[c[0] for c in VALUE_CASES])
-@pytest.mark.parametrize("backend", LOSS_BACKENDS)
-def test_value_loss(request, backend, name, case, where, opts):
+@pytest.mark.parametrize("backend", LOSS_BACKENDS + [CUDA_HOST])
+def test_value_loss(request, monkeypatch, backend, name, case, where, opts):
+    backend = route(request, monkeypatch, backend)
     if where == "trainable":
         known(request, backend, name)
     mask = _mask()
@@ -198,9 +225,10 @@ def test_value_loss(request, backend, name, case, where, opts):
 
 
 @pytest.mark.parametrize("scale", [1e30, 1e36])
-@pytest.mark.parametrize("backend", LOSS_BACKENDS)
-def test_explained_variance_of_huge_values(request, backend, scale):
+@pytest.mark.parametrize("backend", LOSS_BACKENDS + [CUDA_HOST])
+def test_explained_variance_of_huge_values(request, monkeypatch, backend, scale):
     """Values and returns ~1e30 (squares past float32): the explained variance is the float64 one."""
+    backend = route(request, monkeypatch, backend)
     known(request, backend, "huge")
     x = _value_inputs()
     x = {k: t * scale for k, t in x.items()}
@@ -259,8 +287,9 @@ GAE_CASES = [("r=nan", "rewards", NAN), ("r=+inf", "rewards", INF), ("v=nan", "v
 
 @pytest.mark.parametrize("where", ["trainable", "frozen"])
 @pytest.mark.parametrize("name,key,val", GAE_CASES, ids=[c[0] for c in GAE_CASES])
-@pytest.mark.parametrize("backend", LOSS_BACKENDS)
-def test_segment_gae(backend, name, key, val, where):
+@pytest.mark.parametrize("backend", LOSS_BACKENDS + [CUDA_HOST])
+def test_segment_gae(request, monkeypatch, backend, name, key, val, where):
+    backend = route(request, monkeypatch, backend)
     g = torch.Generator().manual_seed(8)
     x = dict(rewards=torch.randn(T, generator=g), values=torch.randn(T, generator=g))
     mask = _mask()

@@ -36,16 +36,11 @@ def _mask():
     return m
 
 
-# Disagreements left (issue 27's remainder): the Triton kernels compute in float32 and have no float64 redo
-# of a block with a non-finite term yet, so a product or square past float32 but not float64 (an advantage of
-# 3e38 times a ratio, moments of returns ~1e30) still overflows there; their partials are float32. And the
-# reference's entropy is NaN for a -inf logit (p log p = 0 * -inf), where the Triton kernel gives the limit 0.
-# Each is a strict xfail: it fails the run the day it passes.
+# Disagreement left (issue 27's remainder): the reference's entropy is NaN for a -inf logit (p log p = 0 * -inf),
+# where the Triton kernel gives the limit 0. (The Triton loss kernels do a block with a term past float32 again
+# in float64, as the C++ CPU kernels do, and keep float64 partials, so they follow the reference there too.)
+# A strict xfail: it fails the run the day it passes.
 KNOWN = {
-    ("triton", "adv=+3e38"): "float32 -A*ratio overflows (no float64 redo in the Triton kernel)",
-    ("triton", "adv=-3e38"): "float32 -A*ratio overflows (no float64 redo in the Triton kernel)",
-    ("triton", "ret=-3e38"): "float32 partial moments overflow (explained_variance NaN)",
-    ("triton", "huge"): "float32 partial moments overflow (explained_variance NaN)",
     ("triton", "b=-inf"): "entropy: the reference's 0 * -inf = NaN against the kernel's limit 0",
 }
 

@@ -4,7 +4,11 @@ combines the partials in a fixed order in float64 and writes the loss and the me
 bitwise deterministic, one launch; see `last_program` in kernels/ppo_loss.py).
 
 The explained variance is combined from per-block (count, sum, sum of squared deviations from the block
-mean) (Chan et al.), so a large mean of the returns does not cancel the variance away.
+mean) (Chan et al.), so a large mean of the returns does not cancel the variance away; these are float64 (the
+reference's squares of returns or values ~1e20 are past float32, not float64), as the partials are.
+Non-finite input (docs/ops.md): a block whose float32 loss sum is not finite is done again (`value_block_f64`,
+a block-uniform branch), its tokens with a loss that is not finite in float64, as csrc/cpu/value_loss.cpp
+`value_chunk_f64` does.
 The launcher runs on its tensors' device and has no autograd; compactionrl_fast/ops/value_loss.py registers it as
 a custom op.
 """
@@ -15,7 +19,7 @@ import triton.language as tl
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
 from ._launch import device_guard, empty
 
-from .ppo_loss import FINISH_BLOCKS, last_program, load_col, search_steps, segment_scale, weight_scale
+from .ppo_loss import FINISH_BLOCKS, f64, finite, last_program, load_col, search_steps, segment_scale, split64
 
 N_PARTS = 8  # loss, tokens, clipped, sum_v, sum_r, m2_r, sum_e, m2_e  (e = returns - values)
 NUM_WARPS = 8  # 4 tokens per thread at BT = 1024 (at 4 warps, triton 3.6/3.7's ptxas spills on sm_80)
@@ -62,17 +66,10 @@ def value_finish(part, n_blocks, loss_out, metrics_out, FB: tl.constexpr):
     tl.store(metrics_out + 2 + o1, ev.to(tl.float32))
 
 
-@triton.jit(do_not_specialize=["T", "S", "n_iter"])
-def value_loss_fwd_kernel(v, old, ret, mask, cu, scale, grad, part, ticket, loss_out, metrics_out, T, S, n_iter, eps,
-                          USE_CLIP: tl.constexpr, PER_SEG: tl.constexpr, NEED_GRAD: tl.constexpr, BT: tl.constexpr,
-                          FB: tl.constexpr):
-    i_b = tl.program_id(0).to(tl.int64)
-    o_t = i_b * BT + tl.arange(0, BT)
-    m_t = o_t < T
-    # [BT]
-    b_m = tl.load(mask + o_t, mask=m_t, other=0) != 0
-    b_v = tl.load(v + o_t, mask=m_t, other=0.0).to(tl.float32)
-    b_r = tl.load(ret + o_t, mask=m_t, other=0.0).to(tl.float32)
+@triton.jit
+def value_terms(b_v, b_r, old, o_t, m_t, eps, USE_CLIP: tl.constexpr):
+    """float32 loss, d loss / d v and clipped flag of tokens o_t [n] (m_t: in range) with values b_v and returns
+    b_r; the float64 ones rounded where the loss is finite."""
     b_e1 = b_v - b_r
     b_q1 = b_e1 * b_e1
     if USE_CLIP:
@@ -85,32 +82,114 @@ def value_loss_fwd_kernel(v, old, ret, mask, cu, scale, grad, part, ticket, loss
         b_e2 = tl.where((b_d >= -eps) & (b_d <= eps), b_e1, b_out)
         b_q2 = b_e2 * b_e2
         b_clip = b_q2 > b_q1
-        b_l = 0.5 * tl.where(b_clip | (b_q2 != b_q2), b_q2, b_q1)
-        # a NaN loss term gives a NaN gradient (docs/ops.md, "Non-finite input"), also for a NaN old value
-        b_g = tl.where(b_q2 != b_q2, b_q2, tl.where(b_clip, 0.0, b_e1))
+        return 0.5 * tl.where(b_clip | (b_q2 != b_q2), b_q2, b_q1), tl.where(b_clip, 0.0, b_e1), b_clip
     else:
-        b_clip = b_q1 < 0.0  # all false
-        b_l = 0.5 * b_q1
-        b_g = b_e1
-    b_w = segment_scale(o_t, cu, scale, S, n_iter, PER_SEG)
-    if NEED_GRAD:
-        tl.store(grad + o_t, tl.where(b_m, weight_scale(b_g, b_w), 0.0), mask=m_t)
-    # tl.where, not a multiply by the mask: masked positions may hold inf/NaN
+        return 0.5 * b_q1, b_e1, b_q1 < 0.0  # clipped: all false
+
+
+@triton.jit
+def value_block_f64(v, old, ret, mask, cu, scale, grad, i_b, T, S, n_iter, eps, eps_e, USE_CLIP: tl.constexpr,
+                    PER_SEG: tl.constexpr, NEED_GRAD: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr):
+    """Block i_b's loss again, SUB tokens at a time (few float64 values live), after its float32 loss sum was not
+    finite: a trainable token whose float32 loss is not finite is done in float64 with the reference's
+    arithmetic (csrc/cpu/value_loss.cpp `value_chunk_f64`): its loss and the gradient autograd forms, term by
+    term (a branch not taken passes 0 on, which times an infinite factor is NaN), NaN where the loss is NaN;
+    the other tokens keep their float32 terms. Writes the gradient; returns the block's float64 loss sum and
+    clipped count."""
+    a_loss = tl.zeros([SUB], tl.float64)
+    a_clip = tl.zeros([SUB], tl.float32)
+    for j in range(0, BT, SUB):
+        o_t = i_b * BT + j + tl.arange(0, SUB)
+        m_t = o_t < T
+        # [SUB]
+        b_w = segment_scale(o_t, cu, scale, S, n_iter, PER_SEG)
+        b_m = tl.load(mask + o_t, mask=m_t, other=0) != 0
+        b_v = tl.load(v + o_t, mask=m_t, other=0.0)
+        b_r = tl.load(ret + o_t, mask=m_t, other=0.0)
+        b_l, b_g, b_clip = value_terms(b_v.to(tl.float32), b_r.to(tl.float32), old, o_t, m_t, eps, USE_CLIP)
+        b_bad = b_m & ~finite(b_l)
+        b_v = b_v.to(tl.float64)
+        b_r = b_r.to(tl.float64)
+        b_e1 = b_v - b_r
+        b_q1 = b_e1 * b_e1
+        b_gq = b_w * 0.5
+        if USE_CLIP:
+            eps64 = f64(eps, eps_e)
+            b_old = tl.load(old + o_t, mask=m_t, other=0.0).to(tl.float64)
+            b_d = b_v - b_old
+            b_in = tl.abs(b_d) <= eps64
+            b_vc = b_old + tl.where(b_d < -eps64, -eps64, tl.where(b_d > eps64, eps64, b_d))  # a NaN d stays NaN
+            b_e2 = tl.where(b_in, b_v, b_vc) - b_r
+            b_q2 = b_e2 * b_e2
+            b_clip64 = b_q2 > b_q1
+            b_take2 = b_clip64 | (b_q2 != b_q2)
+            b_l64 = 0.5 * tl.where(b_take2, b_q2, b_q1)
+            b_g64 = tl.where(b_take2, 0.0, b_gq) * (2.0 * b_e1)
+            b_g64 += tl.where(b_in, tl.where(b_take2, b_gq, 0.0) * (2.0 * b_e2), 0.0)
+        else:
+            b_clip64 = b_clip
+            b_l64 = 0.5 * b_q1
+            b_g64 = b_gq * (2.0 * b_e1)
+        if NEED_GRAD:
+            b_gw = tl.where(b_l64 != b_l64, b_l64, b_g64).to(tl.float32)
+            tl.store(grad + o_t, tl.where(b_bad, b_gw, tl.where(b_m, b_g * b_w.to(tl.float32), 0.0)), mask=m_t)
+        a_loss += tl.where(b_bad, b_l64, tl.where(b_m, b_l, 0.0).to(tl.float64)) * b_w
+        a_clip += (b_m & tl.where(b_bad, b_clip64, b_clip)).to(tl.float32)
+    return tl.sum(a_loss, 0), tl.sum(a_clip, 0)
+
+
+@triton.jit
+def recip64(n):
+    """1 / n in float64 for a float32 n >= 1, to ~1 ulp: the float32 reciprocal and two Newton steps. A float64
+    division is a subroutine call in SASS, and two more of them put this kernel at the edge of spilling."""
+    r = (1.0 / n).to(tl.float64)
+    r = r + r * (1.0 - n * r)
+    return r + r * (1.0 - n * r)
+
+
+@triton.jit(do_not_specialize=["T", "S", "n_iter"])
+def value_loss_fwd_kernel(v, old, ret, mask, cu, scale, grad, part, ticket, loss_out, metrics_out, T, S, n_iter, eps,
+                          eps_e, USE_CLIP: tl.constexpr, PER_SEG: tl.constexpr, NEED_GRAD: tl.constexpr,
+                          BT: tl.constexpr, FB: tl.constexpr):
+    i_b = tl.program_id(0).to(tl.int64)
+    o_t = i_b * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    # [BT]; the weight first: few values are live across its search loop (no spills)
+    b_w = segment_scale(o_t, cu, scale, S, n_iter, PER_SEG).to(tl.float32)
+    b_m = tl.load(mask + o_t, mask=m_t, other=0) != 0
+    b_v = tl.load(v + o_t, mask=m_t, other=0.0).to(tl.float32)
+    b_r = tl.load(ret + o_t, mask=m_t, other=0.0).to(tl.float32)
+    b_l, b_g, b_clip = value_terms(b_v, b_r, old, o_t, m_t, eps, USE_CLIP)
+    # the explained variance's sums and squared deviations in float64: squares of returns or values past ~1e19
+    # overflow float32. tl.where, not a multiply by the mask: masked positions may hold inf/NaN
     n = tl.sum(b_m.to(tl.float32), 0)
-    b_e = b_r - b_v
-    sum_r = tl.sum(tl.where(b_m, b_r, 0.0), 0)
-    sum_e = tl.sum(tl.where(b_m, b_e, 0.0), 0)
-    b_dr = tl.where(b_m, b_r - sum_r / tl.maximum(n, 1.0), 0.0)
-    b_de = tl.where(b_m, b_e - sum_e / tl.maximum(n, 1.0), 0.0)
+    inv_n = recip64(tl.maximum(n, 1.0))
+    b_r64 = b_r.to(tl.float64)
+    b_e64 = b_r64 - b_v.to(tl.float64)
+    sum_v = tl.sum(tl.where(b_m, b_v.to(tl.float64), 0.0), 0)
+    sum_r = tl.sum(tl.where(b_m, b_r64, 0.0), 0)
+    sum_e = tl.sum(tl.where(b_m, b_e64, 0.0), 0)
+    b_dr = tl.where(b_m, b_r64 - sum_r * inv_n, 0.0)
+    b_de = tl.where(b_m, b_e64 - sum_e * inv_n, 0.0)
+    m2_r = tl.sum(b_dr * b_dr, 0)
+    m2_e = tl.sum(b_de * b_de, 0)
+    s_loss = tl.sum(tl.where(b_m, b_l * b_w, 0.0), 0).to(tl.float64)
+    if ~finite(s_loss):  # a loss term past float32 or NaN (or the sum past float32)
+        s_loss, s_clip = value_block_f64(v, old, ret, mask, cu, scale, grad, i_b, T, S, n_iter, eps, eps_e, USE_CLIP,
+                                         PER_SEG, NEED_GRAD, BT, BT // 4)  # a token per thread at BT = 1024
+    else:
+        if NEED_GRAD:
+            tl.store(grad + o_t, tl.where(b_m, b_g * b_w, 0.0), mask=m_t)
+        s_clip = tl.sum((b_m & b_clip).to(tl.float32), 0)
     p_part = part + i_b * 8
-    tl.store(p_part + 0, tl.sum(tl.where(b_m, weight_scale(b_l, b_w), 0.0), 0))
-    tl.store(p_part + 1, n)
-    tl.store(p_part + 2, tl.sum((b_m & b_clip).to(tl.float32), 0))
-    tl.store(p_part + 3, tl.sum(tl.where(b_m, b_v, 0.0), 0))
+    tl.store(p_part + 0, s_loss)
+    tl.store(p_part + 1, n.to(tl.float64))
+    tl.store(p_part + 2, s_clip.to(tl.float64))
+    tl.store(p_part + 3, sum_v)
     tl.store(p_part + 4, sum_r)
-    tl.store(p_part + 5, tl.sum(b_dr * b_dr, 0))
+    tl.store(p_part + 5, m2_r)
     tl.store(p_part + 6, sum_e)
-    tl.store(p_part + 7, tl.sum(b_de * b_de, 0))
+    tl.store(p_part + 7, m2_e)
     if last_program(ticket):
         value_finish(part, tl.num_programs(0), loss_out, metrics_out, FB)
 
@@ -128,11 +207,11 @@ def value_loss_fwd(values, old_values, returns, loss_mask, cu_seqlens, seg_scale
     if n_blocks == 0:  # no tokens: loss and metrics 0
         return torch.zeros((), device=device), torch.zeros(3, device=device), grad
     loss, metrics = empty((), device=device), empty(3, device=device)
-    part = empty(n_blocks, N_PARTS, device=device)
+    part = empty(n_blocks, N_PARTS, dtype=torch.float64, device=device)
     ticket = torch.zeros(1, dtype=torch.int32, device=device)
     with device_guard(values):
         value_loss_fwd_kernel[(n_blocks,)](
             values, old_values, returns, loss_mask, seg_scale if cu_seqlens is None else cu_seqlens, seg_scale,
-            grad, part, ticket, loss, metrics, T, S, search_steps(S), max(clip, 0.0), USE_CLIP=clip >= 0,
+            grad, part, ticket, loss, metrics, T, S, search_steps(S), *split64(max(clip, 0.0)), USE_CLIP=clip >= 0,
             PER_SEG=S > 1, NEED_GRAD=need_grad, BT=BT, FB=FINISH_BLOCKS, num_warps=NUM_WARPS)
     return loss, metrics, grad

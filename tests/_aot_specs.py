@@ -69,10 +69,11 @@ _LOOKBACK = [("_gae_lookback_kernel", sig, {"TILE": LOOKBACK_TILE, "BLOCK": BLOC
 # ppo_loss, value_loss: every feature-flag combination that matters, both index dtypes.
 def _ppo_sig(idx):
     return {"logp": "*fp32", "old": "*fp32", "adv": "*fp32", "roll": "*fp32", "mask": "*i1", "cu": f"*{idx}",
-            "scale": "*fp64", "grad": "*fp32", "part": "*fp32", "ticket": "*i32", "loss_out": "*fp32",
-            "metrics_out": "*fp32", "T": "i32", "S": "i32", "n_iter": "i32", "ratio_lo": "fp32", "ratio_hi": "fp32",
-            "dual_c": "fp32", "tis_cap": "fp32", "HAS_TIS": "constexpr", "PER_SEG": "constexpr",
-            "NEED_GRAD": "constexpr", "BT": "constexpr", "FB": "constexpr"}
+            "scale": "*fp64", "grad": "*fp32", "part": "*fp64", "ticket": "*i32", "loss_out": "*fp32",
+            "metrics_out": "*fp32", "T": "i32", "S": "i32", "n_iter": "i32",
+            **{f"{k}{e}": "fp32" for k in ("ratio_lo", "ratio_hi", "dual_c", "tis_cap") for e in ("", "_e")},
+            "HAS_TIS": "constexpr", "PER_SEG": "constexpr", "NEED_GRAD": "constexpr", "BT": "constexpr",
+            "FB": "constexpr"}
 
 
 _PPO = [("ppo_loss_fwd_kernel", _ppo_sig(idx), {"HAS_TIS": tis, "PER_SEG": per_seg, "NEED_GRAD": True, "BT": 1024,
@@ -82,9 +83,9 @@ _PPO = [("ppo_loss_fwd_kernel", _ppo_sig(idx), {"HAS_TIS": tis, "PER_SEG": per_s
 
 def _value_loss_sig(idx):
     return {"v": "*fp32", "old": "*fp32", "ret": "*fp32", "mask": "*i1", "cu": f"*{idx}", "scale": "*fp64",
-            "grad": "*fp32", "part": "*fp32", "ticket": "*i32", "loss_out": "*fp32", "metrics_out": "*fp32",
-            "T": "i32", "S": "i32", "n_iter": "i32", "eps": "fp32", "USE_CLIP": "constexpr", "PER_SEG": "constexpr",
-            "NEED_GRAD": "constexpr", "BT": "constexpr", "FB": "constexpr"}
+            "grad": "*fp32", "part": "*fp64", "ticket": "*i32", "loss_out": "*fp32", "metrics_out": "*fp32",
+            "T": "i32", "S": "i32", "n_iter": "i32", "eps": "fp32", "eps_e": "fp32", "USE_CLIP": "constexpr",
+            "PER_SEG": "constexpr", "NEED_GRAD": "constexpr", "BT": "constexpr", "FB": "constexpr"}
 
 
 _VALUE_LOSS = [("value_loss_fwd_kernel", _value_loss_sig(idx),

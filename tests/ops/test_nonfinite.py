@@ -41,25 +41,6 @@ def _mask():
     return m
 
 
-# Disagreements left (issue 27's remainder): the Triton kernels compute in float32 and have no float64 redo
-# of a block with a non-finite term yet, so a product or square past float32 but not float64 (an advantage of
-# 3e38 times a ratio, moments of returns ~1e30) still overflows there; their partials are float32. And the
-# reference's entropy is NaN for a -inf logit (p log p = 0 * -inf), where the Triton kernel gives the limit 0.
-# Each is a strict xfail: it fails the run the day it passes.
-KNOWN = {
-    ("triton", "adv=+3e38"): "float32 -A*ratio overflows (no float64 redo in the Triton kernel)",
-    ("triton", "adv=-3e38"): "float32 -A*ratio overflows (no float64 redo in the Triton kernel)",
-    ("triton", "ret=-3e38"): "float32 partial moments overflow (explained_variance NaN)",
-    ("triton", "huge"): "float32 partial moments overflow (explained_variance NaN)",
-}
-
-
-def known(request, backend, name):
-    why = KNOWN.get((backend, name))
-    if why:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=why))
-
-
 @pytest.fixture(scope="module")
 def cuda_host_libs(tmp_path_factory):
     """The CUDA C++ kernels of the losses and of segment_gae built for the host, at small block shapes."""
@@ -147,8 +128,6 @@ def _run_policy(backend, x, mask, opts):
 @pytest.mark.parametrize("backend", LOSS_BACKENDS + [CUDA_HOST])
 def test_policy_loss(request, monkeypatch, backend, name, case, where, opts):
     backend = route(request, monkeypatch, backend)
-    if where == "trainable":
-        known(request, backend, name)
     if "roll" in name and "tis" not in opts:
         pytest.skip("rollout_logprobs are read with TIS only")
     mask = _mask()
@@ -210,8 +189,6 @@ def _run_value(backend, x, mask, opts):
 @pytest.mark.parametrize("backend", LOSS_BACKENDS + [CUDA_HOST])
 def test_value_loss(request, monkeypatch, backend, name, case, where, opts):
     backend = route(request, monkeypatch, backend)
-    if where == "trainable":
-        known(request, backend, name)
     mask = _mask()
     x = _value_case(case, TRAIN if where == "trainable" else FROZEN)
     want = _run_value(None, x, mask, VALUE_OPTS[opts])
@@ -229,7 +206,6 @@ def test_value_loss(request, monkeypatch, backend, name, case, where, opts):
 def test_explained_variance_of_huge_values(request, monkeypatch, backend, scale):
     """Values and returns ~1e30 (squares past float32): the explained variance is the float64 one."""
     backend = route(request, monkeypatch, backend)
-    known(request, backend, "huge")
     x = _value_inputs()
     x = {k: t * scale for k, t in x.items()}
     mask = _mask()
@@ -311,8 +287,7 @@ LLP_CASES = [("h=nan", "hidden", NAN), ("h=+inf", "hidden", INF), ("w=nan", "wei
 
 @pytest.mark.parametrize("name,key,val", LLP_CASES, ids=[c[0] for c in LLP_CASES])
 @pytest.mark.parametrize("backend", LLP_BACKENDS)
-def test_linear_logprobs(request, backend, name, key, val):
-    known(request, backend, name)
+def test_linear_logprobs(backend, name, key, val):
     g = torch.Generator().manual_seed(9)
     Tl, H, V = 12, 16, 30
     t = dict(hidden=torch.randn(Tl, H, generator=g), weight=torch.randn(V, H, generator=g) * 0.3,

@@ -27,6 +27,12 @@ from ._launch import device_guard, empty
 N_PARTS = 8  # loss, tokens, clipped, dual, kl, ratio_max, log ratio, (1 unused: keeps rows 64-byte aligned)
 N_METRICS = 5  # clip_fraction, dual_clip_fraction, approx_kl, ratio_max, log_ratio
 FINISH_BLOCKS = 256  # partial rows the last program adds per step
+BLOCK = 512  # tokens per program: 4 per thread at NUM_WARPS = 4
+NUM_WARPS = 4
+# ptxas's register limit per thread for the loss kernels (here and kernels/value_loss.py), passed explicitly:
+# without one, triton 3.6's ptxas holds them to 64 registers on sm_90 and spills around the float64 branch;
+# with it they take 62-80 registers and do not spill (tests/test_aot.py, triton 3.6 and 3.7)
+MAXNREG = 128
 
 
 @triton.jit
@@ -226,21 +232,22 @@ def ppo_loss_fwd_kernel(logp, old, adv, roll, mask, cu, scale, grad, part, ticke
     b_m = tl.load(mask + o_t, mask=m_t, other=0) != 0
     b_l, b_g, b_k, b_x, b_r, b_clip, b_dual = ppo_terms(logp, old, adv, roll, o_t, m_t, ratio_lo, ratio_hi, dual_c,
                                                         tis_cap, HAS_TIS)
+    # the float32 pass complete before the branch (only scalars stay live across it: no spills with triton
+    # 3.6's ptxas); the float64 branch writes the block's gradient again
+    if NEED_GRAD:
+        tl.store(grad + o_t, tl.where(b_m, b_g * b_w, 0.0), mask=m_t)
     n = tl.sum(b_m.to(tl.float32), 0)
     s_loss = tl.sum(tl.where(b_m, b_l * b_w, 0.0), 0).to(tl.float64)
     s_kl = tl.sum(tl.where(b_m, b_k, 0.0), 0).to(tl.float64)
+    s_lr = tl.sum(tl.where(b_m, b_x, 0.0), 0).to(tl.float64)
+    s_clip = tl.sum((b_m & b_clip).to(tl.float32), 0)
+    s_dual = tl.sum((b_m & b_dual).to(tl.float32), 0)
+    r_max = nan_max(b_r, b_m).to(tl.float64)
     if (~finite(s_loss)) | (~finite(s_kl)):  # a term past float32 or NaN (or a sum past float32)
         s_loss, s_kl, s_lr, s_clip, s_dual, r_max = ppo_block_f64(
             logp, old, adv, roll, mask, cu, scale, grad, i_b, T, S, n_iter, ratio_lo, ratio_lo_e, ratio_hi,
             ratio_hi_e, dual_c, dual_c_e, tis_cap, tis_cap_e, HAS_TIS, PER_SEG, NEED_GRAD, BT,
-            BT // 8)  # one token per thread at BT = 1024 and 4 warps
-    else:
-        if NEED_GRAD:
-            tl.store(grad + o_t, tl.where(b_m, b_g * b_w, 0.0), mask=m_t)
-        s_lr = tl.sum(tl.where(b_m, b_x, 0.0), 0).to(tl.float64)
-        s_clip = tl.sum((b_m & b_clip).to(tl.float32), 0)
-        s_dual = tl.sum((b_m & b_dual).to(tl.float32), 0)
-        r_max = nan_max(b_r, b_m).to(tl.float64)
+            BT // 4)  # one token per thread at BT = 512 and 4 warps
     p_part = part + i_b * 8
     tl.store(p_part + 0, s_loss)
     tl.store(p_part + 1, n.to(tl.float64))
@@ -267,7 +274,7 @@ def split64(x: float):
 
 
 def ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale,
-                 clip_low, clip_high, dual_clip, tis_cap, need_grad, BT=1024):
+                 clip_low, clip_high, dual_clip, tis_cap, need_grad, BT=BLOCK):
     """Fused forward, one launch. Tensors: float32 [T] (rollout_logprobs optional), bool [T], cu_seqlens
     [S+1] or None, seg_scale float64 [S]. Returns (loss float32 [], metrics float32 [5] (clip_fraction,
     dual_clip_fraction, approx_kl, ratio_max, log_ratio), grad float32 [T] (or [0] without need_grad))."""
@@ -288,5 +295,6 @@ def ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs
             loss_mask, seg_scale if cu_seqlens is None else cu_seqlens, seg_scale, grad, part, ticket, loss, metrics,
             T, S, search_steps(S), *split64(1.0 - clip_low), *split64(1.0 + clip_high), *split64(dual_clip),
             *split64(tis_cap),
-            HAS_TIS=rollout_logprobs is not None, PER_SEG=S > 1, NEED_GRAD=need_grad, BT=BT, FB=FINISH_BLOCKS)
+            HAS_TIS=rollout_logprobs is not None, PER_SEG=S > 1, NEED_GRAD=need_grad, BT=BT, FB=FINISH_BLOCKS,
+            num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return loss, metrics, grad

@@ -4,11 +4,11 @@ combines the partials in a fixed order in float64 and writes the loss and the me
 bitwise deterministic, one launch; see `last_program` in kernels/ppo_loss.py).
 
 The explained variance is combined from per-block (count, sum, sum of squared deviations from the block
-mean) (Chan et al.), so a large mean of the returns does not cancel the variance away; these are float64 (the
-reference's squares of returns or values ~1e20 are past float32, not float64), as the partials are.
-Non-finite input (docs/ops.md): a block whose float32 loss sum is not finite is done again (`value_block_f64`,
-a block-uniform branch), its tokens with a loss that is not finite in float64, as csrc/cpu/value_loss.cpp
-`value_chunk_f64` does.
+mean) (Chan et al.), so a large mean of the returns does not cancel the variance away. The partials are float64.
+Non-finite input (docs/ops.md): a block whose float32 loss, sums or squared deviations are not finite (NaN or
+inf input, returns ~1e20 whose squares pass float32) is done again (`value_block_f64`, a block-uniform branch):
+its sums and squared deviations in float64, its tokens with a float32 loss that is not finite in float64, as
+csrc/cpu/value_loss.cpp `value_chunk_f64` does.
 The launcher runs on its tensors' device and has no autograd; compactionrl_fast/ops/value_loss.py registers it as
 a custom op.
 """
@@ -19,7 +19,8 @@ import triton.language as tl
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
 from ._launch import device_guard, empty
 
-from .ppo_loss import FINISH_BLOCKS, f64, finite, last_program, load_col, search_steps, segment_scale, split64
+from .ppo_loss import (FINISH_BLOCKS, MAXNREG, f64, finite, last_program, load_col, search_steps, segment_scale,
+                       split64)
 
 N_PARTS = 8  # loss, tokens, clipped, sum_v, sum_r, m2_r, sum_e, m2_e  (e = returns - values)
 NUM_WARPS = 8  # 4 tokens per thread at BT = 1024 (at 4 warps, triton 3.6/3.7's ptxas spills on sm_80)
@@ -95,9 +96,12 @@ def value_block_f64(v, old, ret, mask, cu, scale, grad, i_b, T, S, n_iter, eps, 
     arithmetic (csrc/cpu/value_loss.cpp `value_chunk_f64`): its loss and the gradient autograd forms, term by
     term (a branch not taken passes 0 on, which times an infinite factor is NaN), NaN where the loss is NaN;
     the other tokens keep their float32 terms. Writes the gradient; returns the block's float64 loss sum and
-    clipped count."""
+    clipped count, and the sums and squared deviations of the values, returns and e = R - v in float64 (a
+    second pass around the block's means)."""
     a_loss = tl.zeros([SUB], tl.float64)
+    a_v, a_r = a_loss, a_loss
     a_clip = tl.zeros([SUB], tl.float32)
+    a_n = a_clip
     for j in range(0, BT, SUB):
         o_t = i_b * BT + j + tl.arange(0, SUB)
         m_t = o_t < T
@@ -135,7 +139,24 @@ def value_block_f64(v, old, ret, mask, cu, scale, grad, i_b, T, S, n_iter, eps, 
             tl.store(grad + o_t, tl.where(b_bad, b_gw, tl.where(b_m, b_g * b_w.to(tl.float32), 0.0)), mask=m_t)
         a_loss += tl.where(b_bad, b_l64, tl.where(b_m, b_l, 0.0).to(tl.float64)) * b_w
         a_clip += (b_m & tl.where(b_bad, b_clip64, b_clip)).to(tl.float32)
-    return tl.sum(a_loss, 0), tl.sum(a_clip, 0)
+        a_n += b_m.to(tl.float32)
+        a_v += tl.where(b_m, b_v, 0.0)
+        a_r += tl.where(b_m, b_r, 0.0)
+    sum_v, sum_r = tl.sum(a_v, 0), tl.sum(a_r, 0)
+    inv_n = recip64(tl.maximum(tl.sum(a_n, 0), 1.0))
+    mean_r, mean_e = sum_r * inv_n, (sum_r - sum_v) * inv_n
+    a_r2 = tl.zeros([SUB], tl.float64)
+    a_e2 = a_r2
+    for j in range(0, BT, SUB):
+        o_t = i_b * BT + j + tl.arange(0, SUB)
+        m_t = o_t < T
+        b_m = tl.load(mask + o_t, mask=m_t, other=0) != 0
+        b_r = tl.load(ret + o_t, mask=m_t, other=0.0).to(tl.float64)
+        b_dr = tl.where(b_m, b_r - mean_r, 0.0)
+        b_de = tl.where(b_m, (b_r - tl.load(v + o_t, mask=m_t, other=0.0).to(tl.float64)) - mean_e, 0.0)
+        a_r2 += b_dr * b_dr
+        a_e2 += b_de * b_de
+    return tl.sum(a_loss, 0), tl.sum(a_clip, 0), sum_v, sum_r, tl.sum(a_r2, 0), sum_r - sum_v, tl.sum(a_e2, 0)
 
 
 @triton.jit
@@ -160,27 +181,28 @@ def value_loss_fwd_kernel(v, old, ret, mask, cu, scale, grad, part, ticket, loss
     b_v = tl.load(v + o_t, mask=m_t, other=0.0).to(tl.float32)
     b_r = tl.load(ret + o_t, mask=m_t, other=0.0).to(tl.float32)
     b_l, b_g, b_clip = value_terms(b_v, b_r, old, o_t, m_t, eps, USE_CLIP)
-    # the explained variance's sums and squared deviations in float64: squares of returns or values past ~1e19
-    # overflow float32. tl.where, not a multiply by the mask: masked positions may hold inf/NaN
+    # the float32 pass complete before the branch (only scalars stay live across it); tl.where, not a multiply
+    # by the mask: masked positions may hold inf/NaN
+    if NEED_GRAD:
+        tl.store(grad + o_t, tl.where(b_m, b_g * b_w, 0.0), mask=m_t)
     n = tl.sum(b_m.to(tl.float32), 0)
-    inv_n = recip64(tl.maximum(n, 1.0))
-    b_r64 = b_r.to(tl.float64)
-    b_e64 = b_r64 - b_v.to(tl.float64)
-    sum_v = tl.sum(tl.where(b_m, b_v.to(tl.float64), 0.0), 0)
-    sum_r = tl.sum(tl.where(b_m, b_r64, 0.0), 0)
-    sum_e = tl.sum(tl.where(b_m, b_e64, 0.0), 0)
-    b_dr = tl.where(b_m, b_r64 - sum_r * inv_n, 0.0)
-    b_de = tl.where(b_m, b_e64 - sum_e * inv_n, 0.0)
+    s_loss = tl.sum(tl.where(b_m, b_l * b_w, 0.0), 0).to(tl.float64)
+    s_clip = tl.sum((b_m & b_clip).to(tl.float32), 0)
+    b_e = b_r - b_v
+    sum_v = tl.sum(tl.where(b_m, b_v, 0.0), 0)
+    sum_r = tl.sum(tl.where(b_m, b_r, 0.0), 0)
+    sum_e = tl.sum(tl.where(b_m, b_e, 0.0), 0)
+    b_dr = tl.where(b_m, b_r - sum_r / tl.maximum(n, 1.0), 0.0)
+    b_de = tl.where(b_m, b_e - sum_e / tl.maximum(n, 1.0), 0.0)
     m2_r = tl.sum(b_dr * b_dr, 0)
     m2_e = tl.sum(b_de * b_de, 0)
-    s_loss = tl.sum(tl.where(b_m, b_l * b_w, 0.0), 0).to(tl.float64)
-    if ~finite(s_loss):  # a loss term past float32 or NaN (or the sum past float32)
-        s_loss, s_clip = value_block_f64(v, old, ret, mask, cu, scale, grad, i_b, T, S, n_iter, eps, eps_e, USE_CLIP,
-                                         PER_SEG, NEED_GRAD, BT, BT // 4)  # a token per thread at BT = 1024
-    else:
-        if NEED_GRAD:
-            tl.store(grad + o_t, tl.where(b_m, b_g * b_w, 0.0), mask=m_t)
-        s_clip = tl.sum((b_m & b_clip).to(tl.float32), 0)
+    sum_v, sum_r, sum_e = sum_v.to(tl.float64), sum_r.to(tl.float64), sum_e.to(tl.float64)
+    m2_r, m2_e = m2_r.to(tl.float64), m2_e.to(tl.float64)
+    # a loss term, sum or square past float32 (returns ~1e20) or NaN: the block again, partly in float64
+    if ~finite(s_loss + sum_v + sum_r + sum_e + m2_r + m2_e):
+        s_loss, s_clip, sum_v, sum_r, m2_r, sum_e, m2_e = value_block_f64(
+            v, old, ret, mask, cu, scale, grad, i_b, T, S, n_iter, eps, eps_e, USE_CLIP, PER_SEG, NEED_GRAD, BT,
+            BT // 4)  # a token per thread at BT = 1024 and 8 warps
     p_part = part + i_b * 8
     tl.store(p_part + 0, s_loss)
     tl.store(p_part + 1, n.to(tl.float64))
@@ -213,5 +235,5 @@ def value_loss_fwd(values, old_values, returns, loss_mask, cu_seqlens, seg_scale
         value_loss_fwd_kernel[(n_blocks,)](
             values, old_values, returns, loss_mask, seg_scale if cu_seqlens is None else cu_seqlens, seg_scale,
             grad, part, ticket, loss, metrics, T, S, search_steps(S), *split64(max(clip, 0.0)), USE_CLIP=clip >= 0,
-            PER_SEG=S > 1, NEED_GRAD=need_grad, BT=BT, FB=FINISH_BLOCKS, num_warps=NUM_WARPS)
+            PER_SEG=S > 1, NEED_GRAD=need_grad, BT=BT, FB=FINISH_BLOCKS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return loss, metrics, grad

@@ -12,6 +12,7 @@ from compactionrl_fast.kernels.gae import BLOCK, CARRY_BLOCK, LOOKBACK_TILE, PAR
 from compactionrl_fast.kernels.modes import (CROSS_NONE, CROSS_PAPER, CROSS_STITCHED, LAM_ADAPTIVE_ROLLOUT,
                                              LAM_ADAPTIVE_SEGMENT, LAM_CONST, LAM_TENSOR, REDUCTION_ROLLOUT_MEAN,
                                              REDUCTION_SEGMENT_MEAN, REDUCTION_SUM, REDUCTION_TOKEN_MEAN)
+from compactionrl_fast.kernels import ppo_loss as kppo
 from compactionrl_fast.kernels.ppo_loss import FINISH_BLOCKS
 from compactionrl_fast.kernels.value_loss import NUM_WARPS as VALUE_LOSS_WARPS
 
@@ -76,8 +77,9 @@ def _ppo_sig(idx):
             "FB": "constexpr"}
 
 
-_PPO = [("ppo_loss_fwd_kernel", _ppo_sig(idx), {"HAS_TIS": tis, "PER_SEG": per_seg, "NEED_GRAD": True, "BT": 1024,
-                                                "FB": FINISH_BLOCKS})
+_PPO = [("ppo_loss_fwd_kernel", _ppo_sig(idx), {"HAS_TIS": tis, "PER_SEG": per_seg, "NEED_GRAD": True,
+                                                "BT": kppo.BLOCK, "FB": FINISH_BLOCKS},
+         {"num_warps": kppo.NUM_WARPS, "maxnreg": kppo.MAXNREG})
         for idx, tis, per_seg in [("i32", False, False), ("i32", True, True), ("i64", False, True)]]
 
 
@@ -90,7 +92,7 @@ def _value_loss_sig(idx):
 
 _VALUE_LOSS = [("value_loss_fwd_kernel", _value_loss_sig(idx),
                 {"USE_CLIP": clip, "PER_SEG": per_seg, "NEED_GRAD": True, "BT": 1024, "FB": FINISH_BLOCKS},
-                {"num_warps": VALUE_LOSS_WARPS})
+                {"num_warps": VALUE_LOSS_WARPS, "maxnreg": kppo.MAXNREG})
                for idx, clip, per_seg in [("i32", True, False), ("i32", False, True), ("i64", True, True)]]
 
 # value_head: forward in bf16 and fp32, backward in every hidden dtype.

@@ -168,6 +168,9 @@ def ppo_block_f64(logp, old, adv, roll, mask, cu, scale, grad, i_b, T, S, n_iter
     forms, term by term (a branch not taken passes 0 on, which times an infinite factor is NaN), NaN where the
     loss is NaN; the other tokens keep their float32 terms. Writes the gradient; returns the block's float64
     loss, KL and log-ratio sums, clipped and dual-clipped counts and ratio max (NaN kept)."""
+    # the float32 pass's gradient stores (other threads, other layout) land before this pass's stores at the
+    # same tokens: the branch is block-uniform, so every thread reaches the barrier
+    tl.debug_barrier()
     lo, hi = f64(ratio_lo, ratio_lo_e), f64(ratio_hi, ratio_hi_e)
     a_loss = tl.zeros([SUB], tl.float64)
     a_kl, a_lr, a_rmax = a_loss, a_loss, a_loss

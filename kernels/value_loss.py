@@ -98,6 +98,9 @@ def value_block_f64(v, old, ret, mask, cu, scale, grad, i_b, T, S, n_iter, eps, 
     the other tokens keep their float32 terms. Writes the gradient; returns the block's float64 loss sum and
     clipped count, and the sums and squared deviations of the values, returns and e = R - v in float64 (a
     second pass around the block's means)."""
+    # the float32 pass's gradient stores (other threads, other layout) land before this pass's stores at the
+    # same tokens: the branch is block-uniform, so every thread reaches the barrier
+    tl.debug_barrier()
     a_loss = tl.zeros([SUB], tl.float64)
     a_v, a_r = a_loss, a_loss
     a_clip = tl.zeros([SUB], tl.float32)

@@ -40,11 +40,10 @@ adaptive lambda). The error stays within the accuracy rule of tests/ops/test_gae
 import functools
 import os
 
-import numpy as np
 import torch
 import triton
 
-from ._launch import device_guard, empty
+from ._launch import device_guard, empty, split64
 from .gae_chunk import _gae_chunk_kernel
 from .gae_lookback import _gae_lookback_kernel
 from .gae_params import _gae_params_kernel, needs_counts
@@ -74,12 +73,6 @@ def _chunk_size(T, R, device, chunk, block):
     return block  # interpreter: one block per chunk, so that long inputs run both passes
 
 
-def _split(x: float):
-    """x as float32 hi + lo (hi + lo == x to ~1e-14 relative): float64 scalars for Triton without a copy."""
-    hi = float(np.float32(x))
-    return hi, float(np.float32(x - hi))
-
-
 def gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_critic, seg_start=None, ws=None):
     """Per-segment numbers: float64 [4, S] rows gamma*lam_s, gamma*lam_critic_s, scale_s, reset_s.
     mask: [T] bool/uint8; cu: [S+1], cs: [R+1] int32/int64 (read clamped); lam_seg: [S] float32 or None;
@@ -90,7 +83,7 @@ def gae_params(mask, cu, cs, lam_seg, gamma, lam, lam_mode, alpha, cross, lam_cr
     if R:
         _gae_params_kernel[(R,)](mask, cu, cs, cu if seg_start is None else seg_start,
                                  params if lam_seg is None else lam_seg, params, S, T,
-                                 *_split(gamma), *_split(lam), *_split(alpha), *_split(lam_critic),
+                                 *split64(gamma), *split64(lam), *split64(alpha), *split64(lam_critic),
                                  params if ws is None else ws, 0 if ws is None else ws.numel(), LAM_MODE=lam_mode,
                                  CROSS=cross, NEED_COUNTS=needs_counts(lam_mode, cross), HAS_START=seg_start is not None,
                                  BLOCK=PARAMS_BLOCK if mask.device.type == "cuda" else INTERPRET_BLOCK,
@@ -159,7 +152,7 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
         agg = torch.empty(N_MAP, n_tiles, dtype=torch.float64, device=dev)
         incl = torch.empty(3, n_tiles, dtype=torch.float64, device=dev)
         _gae_lookback_kernel[(n_tiles,)](rewards, values, loss_mask, cu, start, T, S, *params.unbind(0),
-                                         *_split(gamma), ws, agg, incl, adv, ret, n_tiles, log_s, TILE=tile,
+                                         *split64(gamma), ws, agg, incl, adv, ret, n_tiles, log_s, TILE=tile,
                                          BLOCK=min(block, tile),
                                          OWN_CRITIC=own, HAS_START=seg_start is not None, num_warps=NUM_WARPS)
         return adv, ret
@@ -167,7 +160,7 @@ def _segment_gae_fwd(rewards, values, loss_mask, cu_seqlens, cu_segments, lam_se
     n_chunks = R if chunk == 0 else triton.cdiv(T, chunk)
     carry = chunk > 0 and n_chunks > 1  # chunks that start inside a recurrence: pass 1 stores their maps
     summary = torch.empty(N_MAP, n_chunks, dtype=torch.float64, device=dev) if carry else params
-    args = (rewards, values, loss_mask, cu, cs, start, T, S, log_s, params, *_split(gamma), summary, adv, ret,
+    args = (rewards, values, loss_mask, cu, cs, start, T, S, log_s, params, *split64(gamma), summary, adv, ret,
             n_chunks, chunk)
     flags = dict(BLOCK=block, OWN_CRITIC=own, HAS_START=seg_start is not None, CARRY_BLOCK=CARRY_BLOCK,
                  num_warps=NUM_WARPS)

@@ -20,8 +20,9 @@ def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, start_ptr, lam_ptr, out_ptr, S,
     """Per-segment numbers of rollout `program_id` (the port of csrc/common/gae_step.h rollout_params):
     out [4, S] float64 rows gl = gamma*lam_s, glc (returns), scale ((gl)^N_later or 1), reset (1: nothing
     flows in from after the segment). The trainable counts are parked in the scale row until it is written.
-    Float arguments come as float32 pairs hi + lo (Triton passes Python floats as float32; see kernels/gae.py
-    `_split`). LAM_MODE, CROSS: codes of kernels/modes.py; NEED_COUNTS: `needs_counts(LAM_MODE, CROSS)`.
+    Float arguments come as float32 pairs hi + lo (Triton passes Python floats as float32; see
+    kernels/_launch.py `split64`). LAM_MODE, CROSS: codes of kernels/modes.py; NEED_COUNTS:
+    `needs_counts(LAM_MODE, CROSS)`.
     ZERO_WS: also zero ws int32 [n_ws] (the look-back plan's tile counter and flags), so that the plan needs no
     fill launch of its own; the look-back kernel runs after this one on the same stream."""
     gamma = tl.zeros([1], tl.float64) + gamma_hi + gamma_lo

@@ -14,15 +14,12 @@ the end. The partials are float64 for the same reason.
 The launcher runs on its tensors' device and has no autograd; compactionrl_fast/ops/ppo_loss.py registers it as
 a custom op.
 """
-import math
-
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
-from ._launch import device_guard, empty
+from ._launch import device_guard, empty, split64
 
 N_PARTS = 8  # loss, tokens, clipped, dual, kl, ratio_max, log ratio, (1 unused: keeps rows 64-byte aligned)
 N_METRICS = 5  # clip_fraction, dual_clip_fraction, approx_kl, ratio_max, log_ratio
@@ -73,7 +70,7 @@ def finite(x):
 
 @triton.jit
 def f64(x, x_e):
-    """The float64 parameter x + x_e of a float32 pair (`split64`)."""
+    """The float64 parameter x + x_e of a float32 pair (kernels/_launch.py `split64`)."""
     return tl.zeros([1], tl.float64) + x + x_e
 
 
@@ -266,14 +263,6 @@ def ppo_loss_fwd_kernel(logp, old, adv, roll, mask, cu, scale, grad, part, ticke
 def search_steps(S: int) -> int:
     """Binary-search iterations that narrow [0, S) to one segment."""
     return max(1, int(S).bit_length())
-
-
-def split64(x: float):
-    """x as two float32 (x, x_e), x + x_e == x to ~1e-14 relative (x_e = 0 past float32): a float64 parameter
-    of the float64 redo without a copy (kernels/gae.py `_split`); the float32 pass uses the first."""
-    with np.errstate(over="ignore"):
-        hi = float(np.float32(x))
-    return hi, float(np.float32(x - hi)) if math.isfinite(hi) else 0.0
 
 
 def ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale,

@@ -17,10 +17,9 @@ import triton
 import triton.language as tl
 
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
-from ._launch import device_guard, empty
+from ._launch import device_guard, empty, split64
 
-from .ppo_loss import (FINISH_BLOCKS, MAXNREG, f64, finite, last_program, load_col, search_steps, segment_scale,
-                       split64)
+from .ppo_loss import FINISH_BLOCKS, MAXNREG, f64, finite, last_program, load_col, search_steps, segment_scale
 
 N_PARTS = 8  # loss, tokens, clipped, sum_v, sum_r, m2_r, sum_e, m2_e  (e = returns - values)
 NUM_WARPS = 8  # 4 tokens per thread at BT = 1024 (at 4 warps, triton 3.6/3.7's ptxas spills on sm_80)

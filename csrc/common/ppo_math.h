@@ -180,6 +180,9 @@ struct PpoToken64 {
   bool clipped, dual;
 };
 
+// ppo_token_f64's dual_c from the op's dual_clip (float32 max or more: off).
+inline double dual_clip_f64(double dual_clip) { return dual_clip < 3.4028234663852886e38 ? dual_clip : 0.0; }
+
 template <bool TIS>
 CRF_HDI PpoToken64 ppo_token_f64(double x, double adv, double d, double w, double lo, double hi, double dual_c,
                                  double cap) {

@@ -35,4 +35,13 @@ __device__ __forceinline__ int64_t upper_index(const idx_t* cu, int64_t n, int64
   return lo;
 }
 
+// The reduction weight of token t of a loss kernel's Params p (p.cu: [S+1] offsets of idx_t or null, p.scale:
+// [S]). Bad offsets (unchecked on CUDA) only steer the binary search: the index stays in [0, S), so they give
+// wrong weights, never an out-of-bounds read.
+template <typename idx_t, typename P>
+__device__ __forceinline__ double token_weight(const P& p, int64_t t) {
+  const idx_t* cu = static_cast<const idx_t*>(p.cu);
+  return cu == nullptr ? p.scale[0] : p.scale[upper_index(cu, p.S, t)];
+}
+
 }  // namespace crf

@@ -31,7 +31,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cuda(
               rollout_logprobs ? rollout_logprobs->data_ptr<float>() : nullptr, loss_mask.data_ptr<bool>(),
               cu_seqlens ? cu_seqlens->data_ptr() : nullptr, seg_scale.data_ptr<double>(), S, T,
               (float)(1.0 - clip_low), (float)(1.0 + clip_high), (float)dual_clip, (float)tis_cap, 1.0 - clip_low,
-              1.0 + clip_high, dual_clip < 3.4028234663852886e38 ? dual_clip : 0.0, tis_cap,
+              1.0 + clip_high, crf::dual_clip_f64(dual_clip), tis_cap,
               need_grad ? grad.data_ptr<float>() : nullptr, part.data_ptr<double>(), loss.data_ptr<float>(),
               metrics.data_ptr<float>()};
   K::launch(p, cu_seqlens && cu_seqlens->scalar_type() == at::kLong, c10::cuda::getCurrentCUDAStream());

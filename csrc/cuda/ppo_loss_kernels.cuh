@@ -58,15 +58,6 @@ struct Max {  // keeps a NaN of either side (a NaN log-prob must show in ratio_m
   __device__ T operator()(T a, T b) const { return (a > b) | (a != a) ? a : b; }
 };
 
-// The reduction weight of token t. The offsets only steer a binary search over cu[0..S]: any values (even
-// bad ones, unchecked on CUDA) give an index in [0, S), so bad offsets give wrong weights, never an
-// out-of-bounds read.
-template <typename idx_t>
-__device__ __forceinline__ double token_weight(const Params& p, int64_t t) {
-  const idx_t* cu = static_cast<const idx_t*>(p.cu);
-  return cu == nullptr ? p.scale[0] : p.scale[upper_index(cu, p.S, t)];
-}
-
 template <typename idx_t, bool TIS>
 __global__ void __launch_bounds__(kThreads) ppo_loss_block_kernel(Params p) {
   __shared__ double smem[kThreads];

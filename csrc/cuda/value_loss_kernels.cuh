@@ -65,14 +65,6 @@ struct Moments {
   }
 };
 
-// The reduction weight of token t. Bad offsets (unchecked on CUDA) only steer the binary search: the index
-// stays in [0, S).
-template <typename idx_t>
-__device__ __forceinline__ double token_weight(const Params& p, int64_t t) {
-  const idx_t* cu = static_cast<const idx_t*>(p.cu);
-  return cu == nullptr ? p.scale[0] : p.scale[upper_index(cu, p.S, t)];
-}
-
 template <typename idx_t>
 __global__ void __launch_bounds__(kThreads) value_loss_block_kernel(Params p) {
   __shared__ double smem[kThreads];
@@ -108,8 +100,8 @@ __global__ void __launch_bounds__(kThreads) value_loss_block_kernel(Params p) {
   for (int i = 0; i < kItems; ++i) {
     if (!(redo >> i & 1u)) continue;
     const int64_t t = base + i * kThreads + threadIdx.x;
-    const ValueToken64 d = value_token_f64(v_tok[i], use_clip ? p.old[t] : v_tok[i], r_tok[i], use_clip ? p.eps64 : -1.0,
-                                           token_weight<idx_t>(p, t));
+    const ValueToken64 d = value_token_f64(v_tok[i], use_clip ? p.old[t] : v_tok[i], r_tok[i],
+                                           use_clip ? p.eps64 : -1.0, token_weight<idx_t>(p, t));
     if (p.grad != nullptr) p.grad[t] = (float)d.grad;
     loss += d.lw;
     nc += d.clipped;

@@ -16,7 +16,7 @@ extern "C" void crf_ppo_loss_host(const float* logp, const float* old, const flo
   std::vector<double> part(K::n_blocks(T) * K::kParts);
   K::Params p{logp, old, adv, roll, mask, cu, scale, S, T, (float)(1.0 - clip_low), (float)(1.0 + clip_high),
               (float)dual_clip, (float)tis_cap, 1.0 - clip_low, 1.0 + clip_high,
-              dual_clip < 3.4028234663852886e38 ? dual_clip : 0.0, tis_cap, grad, part.data(), loss, metrics};
+              crf::dual_clip_f64(dual_clip), tis_cap, grad, part.data(), loss, metrics};
   K::launch(p, is64 != 0, nullptr);
 }
 

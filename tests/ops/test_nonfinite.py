@@ -1,6 +1,6 @@
 """Non-finite and extreme inputs (issue 27): every CPU backend, and the CUDA C++ kernels run on the host, agree
-with the float64 reference on the outputs AND the gradients, NaN for NaN at the same positions and the same infinities (docs/ops.md, "Non-finite
-input").
+with the float64 reference on the outputs AND the gradients, NaN for NaN at the same positions and the same
+infinities (docs/ops.md, "Non-finite input").
 
 Each case puts one bad value (NaN, +-inf, 3e38, a log-ratio of 100 or 1000, a NaN old value, ...) at a
 trainable token and, separately, at a non-trainable one, in a small batch of ordinary tokens (several

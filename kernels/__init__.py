@@ -1,2 +1,20 @@
 """Triton kernels, installed as `compactionrl_fast.kernels` (one op per file, or per `<op>_*.py` group; launchers
 without autograd); modes.py: the ops' mode codes, for the package, these kernels and csrc/."""
+if __name__ == "kernels":
+    # Imported by the bare name because the repository root is on sys.path (a script or `python -c` run from
+    # there). That name belongs to the `kernels` distribution, which transformers imports: hand the import to
+    # it, or fail as if this folder were not there.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
+    if _spec is None or _spec.loader is None:
+        raise ModuleNotFoundError("No module named 'kernels' (the repository's kernels/ folder is imported as "
+                                  "compactionrl_fast.kernels)", name="kernels")
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _module  # the import statement returns what sys.modules holds when this file ends
+    _spec.loader.exec_module(_module)

@@ -2,7 +2,7 @@
 kernels read). Imported by the package (compactionrl_fast/ops/*) and the Triton kernels (kernels/*); the
 C++/CUDA code reads the same codes from csrc/common/modes.h, which this module writes:
 
-    python -m kernels.modes --write-header     (after editing a table; tests/test_modes.py checks it)
+    python -m compactionrl_fast.kernels --write-header     (after editing a table; tests/test_modes.py checks it)
 
 A Python constant is PREFIX_NAME (CROSS_STITCHED), its C++ constant kPrefixName (crf::kCrossStitched).
 """
@@ -42,6 +42,7 @@ TABLE = {
 }
 
 HEADER = os.path.join("csrc", "common", "modes.h")  # relative to the repository root
+WRITE_HEADER = "python -m compactionrl_fast.kernels --write-header"  # the command that writes it (kernels/__main__.py)
 
 
 def constant_name(prefix: str, name: str) -> str:
@@ -56,7 +57,7 @@ def cpp_name(prefix: str, name: str) -> str:
 
 def header() -> str:
     """The text of csrc/common/modes.h."""
-    lines = ["// Generated from kernels/modes.py by `python -m kernels.modes --write-header`: edit the table there.",
+    lines = [f"// Generated from kernels/modes.py (edit the table there): {WRITE_HEADER}",
              "// The ops' mode codes for the C++/CUDA kernels; tests/test_modes.py checks this file is current.",
              "#pragma once", "#include <cstdint>", "", "namespace crf {", ""]
     for group, (modes, prefix, enum) in TABLE.items():
@@ -76,7 +77,7 @@ def header() -> str:
 def main(argv):
     root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # kernels/ sits in the repository root
     if argv != ["--write-header"]:
-        sys.exit("usage: python -m kernels.modes --write-header")
+        sys.exit(f"usage: {WRITE_HEADER}")
     path = os.path.join(root, HEADER)
     with open(path, "w") as f:
         f.write(header())

@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_committed_header_is_the_generated_one():
     with open(os.path.join(ROOT, modes.HEADER)) as f:
-        assert f.read() == modes.header(), f"{modes.HEADER} is stale: run `python -m kernels.modes --write-header`"
+        assert f.read() == modes.header(), \
+            f"{modes.HEADER} is stale: run `python -m compactionrl_fast.kernels --write-header`"
 
 
 @pytest.mark.skipif(cpp_ext() is None, reason="the C++ extension is not built")

@@ -1,4 +1,4 @@
-// Generated from kernels/modes.py by `python -m kernels.modes --write-header`: edit the table there.
+// Generated from kernels/modes.py (edit the table there): python -m compactionrl_fast.kernels --write-header
 // The ops' mode codes for the C++/CUDA kernels; tests/test_modes.py checks this file is current.
 #pragma once
 #include <cstdint>

@@ -23,8 +23,9 @@ allows, per metric, at least 7x the largest deviation measured between numerical
 file's machine, this one at 1 and 2 threads, MKL_ENABLE_INSTRUCTIONS=AVX2, ATEN_CPU_CAPABILITY=avx2,
 MKL_CBWR=AVX2,STRICT; TOLERANCES, data in benchmarks/results/repro-any-machine.md); a change of the recipe
 such as adaptive_alpha 4.0 -> 4.04 or clip_low 0.2 -> 0.19 exceeds it.
-Bitwise equality holds on one machine in MKL's strict CNR mode (MKL_CBWR=AVX2,STRICT): 1 and 2 threads
-then give the same numbers (the second test, run in two subprocesses with that environment).
+The second test runs the miniature at 1 and at 2 threads in MKL's strict CNR mode (MKL_CBWR=AVX2,STRICT, in two
+subprocesses) and compares with the same tolerances. The numbers were bitwise equal there on Intel Xeons, but
+CNR is Intel's promise, not every x86 CPU's: on an AMD EPYC (Zen 3) rollout_kl differed by 1e-8 relative.
 """
 from __future__ import annotations
 
@@ -150,14 +151,14 @@ def run_mini_subprocess(run_dir: str, threads: int, env: dict, extra=()) -> dict
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores")
 @pytest.mark.slow
-def test_demo_miniature_bitwise_at_1_and_2_threads_in_mkl_strict_cnr_mode(tmp_path):
-    # Without it MKL's GEMMs split their sums by the thread count: 2 threads then differ from 1 like another
-    # CPU does (149 of 726 values, up to 7e-5 relative; the golden test's tolerances cover it). 30 SFT steps
-    # instead of 150 (every phase still runs; without MKL_CBWR 166 values differ): 2 threads on a loaded
-    # machine are slow (with 2 busy processes besides: 10 min, 13 min at 150 steps).
+def test_demo_miniature_at_1_and_2_threads_in_mkl_strict_cnr_mode(tmp_path):
+    # Without CNR mode MKL's GEMMs split their sums by the thread count: 2 threads then differ from 1 like another
+    # CPU does (149 of 726 values, up to 7e-5 relative). With it: bitwise on Intel, 1e-8 relative on AMD Zen 3.
+    # Either way within the golden tolerances, and the sampled tokens (every count, reward and evaluation) equal.
+    # 30 SFT steps instead of 150 (every phase still runs): 2 threads on a loaded machine are slow.
     cnr = {"MKL_CBWR": "AVX2,STRICT"}
     one, two = (run_mini_subprocess(str(tmp_path / f"t{n}"), n, cnr, ["--set", "sft.steps=30"]) for n in (1, 2))
-    diffs = differences(two, one)
+    diffs = differences(two, one, tol=tolerance)
     assert not diffs, "1 and 2 threads differ with MKL_CBWR=AVX2,STRICT:\n" + report(diffs)
 
 

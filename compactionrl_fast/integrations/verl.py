@@ -85,8 +85,9 @@ def compute_compaction_gae(token_level_rewards, response_mask, values=None, inde
     """
     if values is None:
         raise ValueError("compaction_gae needs the critic's values: verl's generic compute_advantage does not pass "
-                         "them; call compactionrl_fast.integrations.verl.compute_advantage(data, config) or "
-                         "patch_compute_advantage() (and set critic.enable=True)")
+                         "them. V1 trainer (trainer.use_v1=true): set trainer.v1.trainer_mode=compaction_sync. "
+                         "Legacy trainer: call compactionrl_fast.integrations.verl.compute_advantage(data, config) "
+                         "or patch_compute_advantage() (and set critic.enable=True)")
     kw, flags = gae_options(config)
     if rollout_ids is None and flags["group_by_uid"]:
         rollout_ids = index
@@ -191,6 +192,14 @@ def compute_policy_loss_compaction(old_log_prob, log_prob, advantages, response_
     return loss, metrics
 
 
+# verl's V1 trainer hands compute_advantage rows whose session and output index are gone (only `uid`
+# remains; they are in the batch keys) and whose rewards verl copied onto every output of a session
+_V1_MODULES = ("verl.trainer.ppo.v1.utils",)
+V1_REFUSAL = ("compaction_gae on verl's V1 trainer (trainer.use_v1=true): its advantage step passes only `uid`, "
+              "so the rollout.n sessions of a prompt would be chained into one rollout and verl's reward copies "
+              "counted once per output; use the trainer mode instead: trainer.v1.trainer_mode=compaction_sync "
+              "(docs/verl.md)")
+
 # modules that bind verl's compute_advantage by name (verl 0.9)
 _TRAINER_MODULES = ("verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.utils",
                     "verl.experimental.separation.ray_trainer")
@@ -201,6 +210,8 @@ def patch_compute_advantage(*modules):
 
     `modules`: module objects or names; default: those of verl 0.9 that bind the function (imported if
     needed; the ones that do not import are skipped). Other estimators go to verl's function unchanged.
+    On verl's V1 path (`verl.trainer.ppo.v1.utils`) the wrapped function raises a ValueError that points to
+    the trainer mode `compaction_sync`: the rows it receives have lost their session and output index.
     Returns the list of patched modules.
     """
     patched = []
@@ -214,8 +225,11 @@ def patch_compute_advantage(*modules):
         if original is None or getattr(original, "_compaction_wrapped", False):
             continue
 
-        def wrapped(data, adv_estimator, *args, _original=original, **kwargs):
+        def wrapped(data, adv_estimator, *args, _original=original, _v1=getattr(mod, "__name__", None) in _V1_MODULES,
+                    **kwargs):
             if getattr(adv_estimator, "value", adv_estimator) == ADV_ESTIMATOR:
+                if _v1:
+                    raise ValueError(V1_REFUSAL)
                 bound = inspect.signature(_original).bind(data, adv_estimator, *args, **kwargs)
                 return compute_advantage(data, bound.arguments.get("config"))
             return _original(data, adv_estimator, *args, **kwargs)

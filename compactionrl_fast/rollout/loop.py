@@ -178,6 +178,8 @@ async def arun_rollouts(engine, envs, tokenizer, config: RolloutConfig | None = 
         gens = engine.generate([p for _, p, _ in reqs], [c for _, _, c in reqs], temperature=config.temperature,
                                top_p=config.top_p, stop_token_ids=stops, seed=seed,
                                cache_keys=[st.key for st, _, _ in reqs])
+        if inspect.isawaitable(gens):  # an engine whose generate is a coroutine (verl's server_manager)
+            gens = await gens
         round_idx += 1
         acting = []
         for (st, _, _), g in zip(reqs, gens):

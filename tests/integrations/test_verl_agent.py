@@ -1,0 +1,285 @@
+"""The verl plug-in against the real verl 0.9.1 V1 path (`make test-integrations` installs it in build/peers):
+the entry point found by `import verl`, the `compaction_sync` trainer's real `_compute_advantage` on batches
+laid out by verl's own `AgentLoopWorkerTQ._agent_loop_postprocess`, the old adapter refusing the V1 path,
+bad input. TransferQueue's three kv_batch_* calls go to an in-memory stand-in (`MemoryTQ`).
+"""
+import asyncio
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import compactionrl_fast as crf
+from compactionrl_fast.reference import gae as ref
+
+REASON = "verl's V1 path is not importable (`make test-integrations` installs verl and TransferQueue)"
+v1 = pytest.importorskip("verl.trainer.ppo.v1", reason=REASON)
+from compactionrl_fast.integrations import verl_plugin  # noqa: E402  (after the skip: imports verl)
+from compactionrl_fast.integrations.verl_compaction import compaction_advantages, session_rows  # noqa: E402
+
+
+class MemoryTQ:
+    """TransferQueue's kv interface in memory: rows by key, fields as verl's list_of_dict_to_tensordict
+    stacks them (jagged tensors for per-token fields, NonTensorStack for strings)."""
+
+    def __init__(self):
+        from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+        self.rows, self._stack = {}, list_of_dict_to_tensordict
+
+    def kv_batch_put(self, keys, partition_id, fields=None, tags=None):
+        if fields is not None:
+            for i, k in enumerate(keys):
+                row = self.rows.setdefault(k, {})
+                for f in fields.keys():
+                    v = fields[f]
+                    row[f] = v.unbind()[i] if isinstance(v, torch.Tensor) else v.tolist()[i]
+        return v1.trainer_base.KVBatchMeta(partition_id=partition_id, keys=list(keys), tags=tags or [{} for _ in keys])
+
+    async def async_kv_batch_put(self, keys, partition_id, fields=None, tags=None):
+        return self.kv_batch_put(keys, partition_id, fields, tags)
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        return self._stack([{f: self.rows[k][f] for f in select_fields if f in self.rows[keys[0]]} for k in keys])
+
+
+def _worker():
+    """verl's AgentLoopWorkerTQ (the class under its Ray wrapper), bare: only what postprocess reads."""
+    cls = v1.agent_loop_tq.AgentLoopWorkerTQ
+    cls = getattr(cls, "__ray_actor_class__", None) or cls.__ray_metadata__.modified_class
+    w = object.__new__(cls)
+    w.reward_loop_worker_handles, w.distillation_enabled, w.processor = None, False, None
+    return w
+
+
+def _outputs(rng, n_out, reward):
+    """AgentLoopOutputs of one compacted session: random prompts, responses with observation spans."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    outs = []
+    for i in range(n_out):
+        L = rng.choice([1, 2, rng.randrange(3, 40)])
+        mask = [1] * L
+        if L > 3:  # an observation inside, sometimes at the end
+            a = rng.randrange(1, L - 1)
+            for t in range(a, min(L, a + rng.randrange(1, 6))):
+                mask[t] = 0
+        if rng.random() < 0.15:
+            mask = [0] * L  # a segment with no trainable token
+        outs.append(AgentLoopOutput(prompt_ids=[5] * rng.randrange(1, 6), response_ids=[7] * L, response_mask=mask,
+                                    response_logprobs=[-0.5] * L, metrics=AgentLoopMetrics(),
+                                    reward_score=reward if i == n_out - 1 else None,
+                                    extra_fields={"reward_extra_info": {}}))
+    return outs
+
+
+def _verl_batch(tq, seed, n=2, prompts=3):
+    """Outputs of `prompts` x `n` sessions (1-3 outputs each) through verl's own postprocess into `tq`,
+    critic values and old log-probs added as verl's _compute_values / _compute_old_log_prob store them. Returns (keys in a shuffled order, rewards)."""
+    rng = random.Random(seed)
+    worker = _worker()
+    rewards = {}
+    for p in range(prompts):
+        uid = f"u{seed}-{p}"
+        for s in range(n):
+            r = round(rng.uniform(-1, 1), 3)
+            rewards[f"{uid}_{s}"] = r
+            asyncio.run(worker._agent_loop_postprocess(_outputs(rng, rng.randint(1, 3), r), False, uid=uid,
+                                                       session_id=s, raw_prompt=[], global_steps=1))
+    g = torch.Generator().manual_seed(seed)
+    for k, row in tq.rows.items():
+        row["values"] = torch.randn(row["response_mask"].numel(), generator=g)
+        row["old_log_probs"] = row["rollout_log_probs"] + 0.01 * torch.randn(row["values"].shape, generator=g)
+    keys = list(tq.rows)
+    rng.shuffle(keys)  # verl's _balance_batch reorders rows
+    return keys, rewards
+
+
+def _config(n=2, **sub):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(v1.__file__), "..", "..", "config", "_generated_ppo_trainer.yaml"))
+    cfg.algorithm.adv_estimator = "gae"
+    cfg.algorithm.gamma = sub.pop("gamma", 1.0)
+    cfg.actor_rollout_ref.rollout.n = n
+    cfg.trainer.v1.trainer_mode = "compaction_sync"
+    cfg.algorithm.compaction_gae = sub
+    return cfg
+
+
+@pytest.fixture
+def tq(monkeypatch):
+    mem = MemoryTQ()
+    monkeypatch.setattr(v1.agent_loop_tq, "tq", mem)
+    monkeypatch.setattr(v1.trainer_base, "tq", mem)
+    return mem
+
+
+def _trainer(cfg):
+    t = object.__new__(v1.get_trainer_cls("compaction_sync"))
+    t.config = cfg
+    return t
+
+
+def _expected(tq, keys, rewards, cfg_sub, gamma):
+    """crf.segment_gae on the packed batch (sessions in order, trainable tokens only) and the float64
+    reference; per key the [n] advantages and returns of its trainable tokens."""
+    ids, pos = session_rows(keys)
+    sessions = sorted(set(ids), key=ids.index)
+    rows = [(rid, p) for rid in sessions for p in sorted(pp for i, pp in zip(ids, pos) if i == rid)]
+    masks = [tq.rows[f"{rid}_{p}"]["response_mask"].bool() for rid, p in rows]
+    vals = torch.cat([tq.rows[f"{rid}_{p}"]["values"][m] for (rid, p), m in zip(rows, masks)])
+    lens = torch.tensor([0] + [int(m.sum()) for m in masks])
+    cu = lens.cumsum(0)
+    per = torch.tensor([0] + [sum(1 for r, _ in rows if r == rid) for rid in sessions]).cumsum(0)
+    loss_mask = torch.ones(int(cu[-1]), dtype=torch.bool)
+    mode = cfg_sub.get("cross_segment", "paper")
+    rr = torch.tensor([rewards[rid] for rid in sessions])
+    place = "stitched" if mode == "stitched" else "paper"
+    kw = dict(gamma=gamma, cross_segment=mode, lam=cfg_sub.get("lam", "adaptive"))
+    r = crf.place_final_rewards(rr, loss_mask, cu, per, mode=place)
+    adv, ret = crf.segment_gae(r, vals, loss_mask, cu, per, **kw)
+    r64 = ref.place_final_rewards(rr.double(), loss_mask, cu, per, mode=place)
+    adv64, ret64 = ref.segment_gae(r64, vals.double(), loss_mask, cu, per, **kw)
+    out = {}
+    for j, (rid, p) in enumerate(rows):
+        a, b = int(cu[j]), int(cu[j + 1])
+        out[f"{rid}_{p}"] = (adv[a:b], ret[a:b], adv64[a:b], ret64[a:b])
+    return out
+
+
+@pytest.mark.parametrize("seed,sub", [(0, {}), (1, {"cross_segment": "stitched"}), (2, {"lam": 0.9, "gamma": 0.99}),
+                                      (3, {"cross_segment": "none"})])
+def test_trainer_mode_compute_advantage_on_verl_layout(tq, seed, sub):
+    keys, rewards = _verl_batch(tq, seed)
+    gamma = sub.get("gamma", 1.0)
+    cfg = _config(**dict(sub))
+    batch = v1.trainer_base.KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys))
+    _trainer(cfg)._compute_advantage(batch, metrics={})
+    want = _expected(tq, keys, rewards, {k: v for k, v in sub.items() if k != "gamma"}, gamma)
+    for k in keys:
+        row = tq.rows[k]
+        m = row["response_mask"].bool()
+        a, r, a64, r64 = want[k]
+        torch.testing.assert_close(row["advantages"][m], a, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(row["returns"][m], r, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(row["advantages"][m].double(), a64, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(row["returns"][m].double(), r64, rtol=1e-5, atol=1e-5)
+        assert not row["advantages"][~m].any() and not row["returns"][~m].any()
+
+
+def test_trainer_mode_keeps_sync_behaviour_and_corrected_target(tq):
+    t = object.__new__(v1.get_trainer_cls("compaction_sync"))
+    t.trainer_mode = "compaction_sync"  # what PPOTrainer.__init__ assigns
+    assert t.trainer_mode == "sync" and t.registered_mode == "compaction_sync"
+    assert issubclass(type(t), v1.PPOTrainerSync)
+    keys, rewards = _verl_batch(tq, 7)
+    cfg = _config(critic_target="corrected")
+    batch = v1.trainer_base.KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys))
+    _trainer(cfg)._compute_advantage(batch, metrics={})
+    for k in keys:
+        row = tq.rows[k]
+        m = row["response_mask"].bool()
+        torch.testing.assert_close(row["returns"][m], row["advantages"][m] + row["values"][m])
+
+
+def test_padding_rows_get_zero(tq):
+    """verl's multi-output padding (upsample_batch_to_divisible_size: keys pad<hex>_<i>_0, mask 0)."""
+    keys, _ = _verl_batch(tq, 4, prompts=1)
+    template = dict(tq.rows[keys[0]])
+    for i in range(3):
+        tq.rows[f"padabc_{i}_0"] = dict(template, response_mask=torch.zeros(1, dtype=torch.int64),
+                                        rm_scores=torch.zeros(1), values=torch.randn(1), uid="padabc")
+    keys = keys + [f"padabc_{i}_0" for i in range(3)]
+    batch = v1.trainer_base.KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys))
+    _trainer(_config())._compute_advantage(batch, metrics={})
+    for i in range(3):
+        assert not tq.rows[f"padabc_{i}_0"]["advantages"].any()
+
+
+def test_old_adapter_on_v1_path_refuses(tq, monkeypatch):
+    """Regression: patch_compute_advantage() on the V1 path chained every session of a prompt into one
+    rollout (only uid reached it) and counted verl's reward copies k times. It now refuses there."""
+    from compactionrl_fast.integrations import verl as V
+
+    keys, _ = _verl_batch(tq, 5)
+    for name in V._TRAINER_MODULES:  # restored after the test
+        mod = sys.modules.get(name)
+        if mod is not None:
+            monkeypatch.setattr(mod, "compute_advantage", mod.compute_advantage)
+    assert V.patch_compute_advantage("verl.trainer.ppo.v1.utils")
+    t = object.__new__(v1.get_trainer_cls("sync"))  # verl's own sync trainer
+    t.config = _config()
+    t.config.algorithm.adv_estimator = "compaction_gae"
+    batch = v1.trainer_base.KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys))
+    with pytest.raises(ValueError, match="compaction_sync"):
+        t._compute_advantage(batch, metrics={})
+
+
+def test_trainer_mode_differs_from_uid_chaining(tq):
+    """The two bugs' numbers: sessions chained by uid and every row's reward copy counted (stitched)
+    differ from the trainer mode's on rows before a session's last."""
+    keys, rewards = _verl_batch(tq, 6)
+    td = tq.kv_batch_get(keys, "train", ["response_mask", "rm_scores", "values"]).to_padded_tensor()
+    ours, _ = compaction_advantages(keys, td["rm_scores"], td["values"], td["response_mask"],
+                                    {"compaction_gae": {"cross_segment": "stitched"}})
+    from compactionrl_fast.integrations.layout import segment_gae_padded
+
+    uids = [k.rsplit("_", 2)[0] for k in keys]  # what the old adapter saw: the prompt only, rows in batch order
+    old, _ = segment_gae_padded(td["rm_scores"], td["values"], td["response_mask"].bool(), uids,
+                                cross_segment="stitched", gamma=1.0, lam="adaptive")
+    assert not torch.allclose(ours, old)
+
+
+def test_bad_input_names_the_key():
+    m = torch.ones(3, 4)
+    s = torch.zeros(3, 4)
+    s[:, -1] = 1.0
+    v = torch.zeros(3, 4)
+    with pytest.raises(ValueError, match="appears twice"):
+        compaction_advantages(["u_0_0", "u_0_0", "u_1_0"], s, v, m)
+    with pytest.raises(ValueError, match="missing"):
+        compaction_advantages(["u_0_0", "u_0_2", "u_1_0"], s, v, m)
+    with pytest.raises(ValueError, match="not verl's"):
+        compaction_advantages(["u0", "u_0_1", "u_1_0"], s, v, m)
+    s2 = s.clone()
+    s2[1, -1] = 2.0
+    with pytest.raises(ValueError, match="different rewards"):
+        compaction_advantages(["u_0_0", "u_0_1", "u_1_0"], s2, v, m)
+    with pytest.raises(ValueError, match="values"):
+        compaction_advantages(["u_0_0", "u_0_1", "u_1_0"], s, torch.zeros(3, 5), m)
+    with pytest.raises(ValueError, match="critic_target"):
+        compaction_advantages(["u_0_0", "u_0_1", "u_1_0"], s, v, m, {"compaction_gae": {"critic_target": "x"}})
+
+
+def test_trainer_mode_rejects_other_estimators(tq):
+    keys, _ = _verl_batch(tq, 8, prompts=1)
+    cfg = _config()
+    cfg.algorithm.adv_estimator = "grpo"
+    batch = v1.trainer_base.KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys))
+    with pytest.raises(ValueError, match="algorithm.adv_estimator"):
+        _trainer(cfg)._compute_advantage(batch, metrics={})
+
+
+def test_plugin_discovered_by_import_verl():
+    """A fresh process: `import verl` loads the entry point (installed metadata); checked on verl's
+    registries, since verl swallows a plug-in's exception."""
+    code = ("import verl\n"
+            "from verl.trainer.ppo.v1 import get_trainer_cls\n"
+            "from verl.experimental.agent_loop.agent_loop import _agent_loop_registry\n"
+            "from verl.trainer.ppo import core_algos\n"
+            "print(get_trainer_cls('compaction_sync').__name__)\n"
+            "print(_agent_loop_registry['compaction_agent']['_target_'])\n"
+            "print('compaction_gae' in core_algos.ADV_ESTIMATOR_REGISTRY, 'compaction' in core_algos.POLICY_LOSS_REGISTRY)\n")
+    env = dict(os.environ, VERL_USE_EXTERNAL_PLUGINS="auto")
+    env.pop("VERL_USE_EXTERNAL_MODULES", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:] + "\n(is the package installed with its entry point? "\
+        "pip install --no-deps --no-build-isolation -e .)"
+    lines = out.stdout.split("\n")[-4:-1]
+    assert lines == ["CompactionSyncTrainer", "compactionrl_fast.integrations.verl_agent.CompactionAgentLoop",
+                     "True True"], out.stdout
+    assert verl_plugin.ERRORS == {} and set(verl_plugin.REGISTERED) == {"ops", "agent_loop", "trainer"}

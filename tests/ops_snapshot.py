@@ -58,6 +58,9 @@ def gae_cases(b, add):
     rr = torch.randn(b["R"], generator=b["g"])
     for mode in ("paper", "stitched"):
         add(f"place/{mode}", lambda mode=mode: crf.place_final_rewards(rr, b["mask"], b["cu"], b["cu_seg"], mode=mode))
+        for be in BACKENDS:
+            add(f"place/{mode}/{be}", lambda mode=mode, be=be: crf.place_final_rewards(
+                rr, b["mask"], b["cu"], b["cu_seg"], mode=mode, backend=be))
 
 
 def grad_of(fn, *leaves):

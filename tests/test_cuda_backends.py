@@ -73,6 +73,22 @@ def test_segment_gae(backend, case, mode):
         check_gae_accuracy(adv, ret, b, backend, **kw)
 
 
+# ---------------------------------------------------------------- place_final_rewards
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", ["paper", "stitched"])
+def test_place_final_rewards(backend, case, mode):
+    for index_dtype in (torch.int32, torch.int64):
+        b = _batch(case, index_dtype)
+        rr = torch.randn(b["cu_segments"].numel() - 1).to(DEVICE) + 3.0
+        got = crf.place_final_rewards(rr, b["loss_mask"], b["cu_seqlens"], b["cu_segments"], mode, backend=backend)
+        want = ref.place_final_rewards(rr, b["loss_mask"], b["cu_seqlens"], b["cu_segments"], mode=mode)
+        assert got.device.type == DEVICE.type
+        torch.testing.assert_close(got.cpu(), want.float(), atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------- ppo_policy_loss and value_loss
 
 
@@ -295,6 +311,9 @@ def _forward(op, backend):
     mask, cu = b["loss_mask"], b["cu_seqlens"]
     if op == "segment_gae":
         return lambda: crf.segment_gae(**b, backend=backend)
+    if op == "place_final_rewards":
+        rr = torch.arange(1.0, 4.0, device=DEVICE)
+        return lambda: crf.place_final_rewards(rr, mask, cu, b["cu_segments"], backend=backend)
     if op == "ppo_policy_loss":
         return lambda: crf.ppo_policy_loss(new, old, a, mask, cu_seqlens=cu, backend=backend)[0]
     if op == "value_loss":
@@ -311,7 +330,8 @@ def _forward(op, backend):
 
 @pytest.mark.xfail(reason="graph capture needs the ops to run without host syncs (the zero-sync work)", strict=False)
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("op", ["segment_gae", "ppo_policy_loss", "value_loss", "value_head", "linear_logprobs"])
+@pytest.mark.parametrize("op", ["segment_gae", "place_final_rewards", "ppo_policy_loss", "value_loss", "value_head",
+                                "linear_logprobs"])
 def test_cuda_graph_capture(backend, op):
     if DEVICE.type != "cuda":
         pytest.skip("CUDA graphs need a GPU")

@@ -66,7 +66,7 @@ def available(device: torch.device) -> list[str]:
 TABLE = {
     "segment_gae": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch")},
     "segment_params": {"cuda": ("triton", "torch"), "cpu": ("cpp", "triton", "torch")},
-    "place_final_rewards": {"cuda": ("torch",), "cpu": ("torch",)},
+    "place_final_rewards": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch")},
     "ppo_policy_loss": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch")},
     "value_loss": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch")},
     "value_head": {"cuda": ("triton", "torch"), "cpu": ("cpp", "triton", "torch")},

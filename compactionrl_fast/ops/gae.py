@@ -236,7 +236,55 @@ def segment_params(loss_mask, cu_seqlens, cu_segments=None, *, gamma=1.0, lam="a
               CROSS_MODES[cross_segment], lam_c)
 
 
-def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None, mode="paper"):
+# (rollout_rewards [R] f32, loss_mask [T] bool, cu_seqlens [S+1], cu_segments [R+1] (one index dtype), stitched)
+#  -> rewards [T] f32
+
+
+def _place_fake(rollout_rewards, loss_mask, cu_seqlens, cu_segments, stitched):
+    return rollout_rewards.new_empty(loss_mask.shape[0], dtype=torch.float32)
+
+
+def _place_triton(rollout_rewards: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, cu_segments: Tensor,
+                  stitched: bool) -> Tensor:
+    from ..kernels.place import place_final_rewards_fwd
+
+    return place_final_rewards_fwd(rollout_rewards, loss_mask, cu_seqlens, cu_segments, stitched)
+
+
+def _place_final_rewards(rollout_rewards: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, cu_segments: Tensor,
+                         stitched: bool) -> Tensor:
+    """The torch backend: the last trainable position at or before every token (one cummax over [T]), read at
+    each segment's (or rollout's) last token. Offsets are clamped, never trusted as indices: bad offsets
+    misplace rewards, nothing more; no host read."""
+    T, S, R = loss_mask.numel(), cu_seqlens.numel() - 1, cu_segments.numel() - 1
+    device = loss_mask.device
+    out = torch.zeros(T + 1, dtype=torch.float32, device=device)  # slot T takes the rewards placed nowhere
+    if T == 0 or S == 0 or R == 0:
+        return out[:T]
+    # [T] the last trainable position <= t, -1 if none (int32 where it fits: half the bytes of int64)
+    pos = torch.arange(T, dtype=torch.int32 if T < 2**31 else torch.long, device=device)
+    upto = pos.masked_fill_(loss_mask.logical_not(), -1).cummax(0).values
+    cu = cu_seqlens.long().clamp(0, T)
+    if stitched:  # one range per rollout: its segments' tokens
+        cs = cu_segments.long().clamp(0, S)
+        begin, end, rew = cu[cs[:-1]], cu[cs[1:]], rollout_rewards
+    else:
+        # [S] the rollout of each segment: the rollout starts at or before it, counted (O(S + R), not per token)
+        starts = torch.zeros(S + 1, dtype=torch.long, device=device).index_add_(
+            0, cu_segments[1:R].long().clamp(0, S), torch.ones(R - 1, dtype=torch.long, device=device))
+        roll_of_seg = starts.cumsum(0)[:S].clamp_(max=R - 1)
+        begin, end, rew = cu[:-1], cu[1:], rollout_rewards[roll_of_seg]
+    last = upto[(end - 1).clamp(min=0)].long()
+    out.index_put_((torch.where((end > begin) & (last >= begin), last, T),), rew)
+    return out[:T]
+
+
+register_op("place_final_rewards_triton", _place_fake, _place_triton)
+register_op("place_final_rewards_torch", _place_fake, _place_final_rewards)
+register_op("place_final_rewards", _place_fake)  # the C++ op (csrc/cpu/place.cpp, csrc/cuda/place.cu), where built
+
+
+def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None, mode="paper", *, backend="auto"):
     """Token rewards [T] float32 from one final reward per rollout.
 
     "paper": the reward goes on the last trainable token of every segment of the rollout (each segment
@@ -246,6 +294,15 @@ def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None
     Args:
         rollout_rewards: [R] float.
         loss_mask: [T] bool; cu_seqlens: [S+1]; cu_segments: [R+1] or None (one segment per rollout).
+        mode: "paper" or "stitched".
+        backend: "auto" | "triton" | "cuda" | "cpp" | "torch" (a cummax over the tokens; the float64 oracle is
+            `compactionrl_fast.reference.place_final_rewards`).
+
+    Example:
+        >>> import torch, compactionrl_fast as crf
+        >>> mask = torch.tensor([False, True, True, False, True, False])
+        >>> crf.place_final_rewards(torch.tensor([2.0]), mask, torch.tensor([0, 4, 6]), torch.tensor([0, 2])).tolist()
+        [0.0, 0.0, 2.0, 0.0, 2.0, 0.0]
     """
     cu_seqlens, cu_segments, S, R = _check_packed(None, None, loss_mask, cu_seqlens, cu_segments)
     check_tensor("rollout_rewards", rollout_rewards, dtypes=FLOAT_DTYPES, ndim=1, device=loss_mask.device)
@@ -253,34 +310,8 @@ def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None
     if rollout_rewards.numel() != R:
         raise ValueError(f"rollout_rewards must have one reward per rollout (R={R}), got shape "
                          f"{tuple(rollout_rewards.shape)}")
-    return torch.ops.compactionrl_fast.place_final_rewards(rollout_rewards.detach().float().contiguous(),
-                                                           loss_mask.contiguous(), cu_seqlens, cu_segments,
-                                                           mode == "stitched")
-
-
-def _place_final_rewards(rollout_rewards: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, cu_segments: Tensor,
-                         stitched: bool) -> Tensor:
-    # Offsets are clamped and searched, never trusted as indices: bad offsets misplace rewards, nothing more.
-    T, S, R = loss_mask.numel(), cu_seqlens.numel() - 1, cu_segments.numel() - 1
-    device = loss_mask.device
-    out = torch.zeros(T + 1, dtype=torch.float32, device=device)  # slot T takes the rewards placed nowhere
-    if T == 0 or S == 0 or R == 0:
-        return out[:T]
-    idx = torch.arange(max(T, S, R), device=device)
-    pos = idx[:T]
-    seg_of_tok = torch.searchsorted(cu_seqlens[1:].clamp(0, T), pos, right=True).clamp_(max=S - 1)
-    last = torch.full((S,), -1, dtype=torch.long, device=device).scatter_reduce_(
-        0, seg_of_tok, torch.where(loss_mask, pos, -1), "amax")  # last trainable position, -1 if none
-    roll_of_seg = torch.searchsorted(cu_segments[1:].clamp(0, S), idx[:S], right=True).clamp_(max=R - 1)
-    if stitched:  # keep only the rollout's last trainable position
-        last = torch.full((R,), -1, dtype=torch.long, device=device).scatter_reduce_(0, roll_of_seg, last, "amax")
-        roll_of_seg = idx[:R]
-    out.index_put_((torch.where(last >= 0, last, T),), rollout_rewards[roll_of_seg])
-    return out[:T]
-
-
-def _place_fake(rollout_rewards, loss_mask, cu_seqlens, cu_segments, stitched):
-    return rollout_rewards.new_empty(loss_mask.shape[0], dtype=torch.float32)
-
-
-register_op("place_final_rewards", _place_fake, _place_final_rewards)
+    b = resolve_backend(backend, loss_mask.device, op="place_final_rewards")
+    name = {"triton": "place_final_rewards_triton", "torch": "place_final_rewards_torch"}.get(b, "place_final_rewards")
+    op = getattr(torch.ops.compactionrl_fast, name)  # "place_final_rewards": the C++ op (cpp, cuda)
+    return op(rollout_rewards.detach().float().contiguous(), loss_mask.contiguous(), cu_seqlens, cu_segments,
+              mode == "stitched")

@@ -19,7 +19,7 @@ def test_segment_gae_and_rewards_compile_fullgraph(backend):
     values = torch.linspace(0, 1, 8)
 
     def step(rr, values, mask, cu, cs):
-        rew = crf.place_final_rewards(rr, mask, cu, cs)
+        rew = crf.place_final_rewards(rr, mask, cu, cs, backend=backend)
         return crf.segment_gae(rew, values, mask, cu, cs, backend=backend)
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")

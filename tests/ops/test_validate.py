@@ -219,7 +219,7 @@ def test_resolve_follows_each_ops_order(monkeypatch):
     assert D.resolve("auto", CPU, op="segment_gae") == "cpp"
     assert D.resolve("auto", CPU, op="linear_logprobs") == "torch"  # torch first for this op on CPU
     assert D.resolve("auto", CUDA, op="value_loss") == "triton"
-    assert D.resolve("auto", CUDA, op="place_final_rewards") == "torch"
+    assert D.resolve("auto", CUDA, op="place_final_rewards") == "triton"
     assert D.resolve("auto", CPU) == "cpp"  # no op: the built order
     assert D.resolve("auto", CUDA, supported=("cuda", "torch"), op="segment_gae") == "cuda"
     assert D.resolve("triton", CPU, op="segment_gae") == "triton"

@@ -118,9 +118,21 @@ def as_bool_mask(name, mask, ndim=2):
     check_tensor(name, mask, ndim=ndim)
     if mask.dtype == torch.bool:
         return mask
-    if mask.numel() and value_checks(mask) and bool(((mask != 0) & (mask != 1)).any()):
+    out = mask.to(torch.bool)
+    if mask.numel() and value_checks(mask) and not _zero_one(mask, out):
         raise ValueError(f"{name} must hold only 0 and 1")
-    return mask != 0
+    return out
+
+
+def _zero_one(mask, nonzero) -> bool:
+    """Whether every value of `mask` is 0 or 1 (`nonzero`: mask.to(bool)). Integers: their range, one
+    reduction; floats: "nonzero" and "equal to 1" agree everywhere (NaN is nonzero, not 1). The elementwise
+    test with `!= 0` and `!= 1` made three temporaries and took 1.6x the policy loss itself on an int64
+    [128, 8192] mask."""
+    if not mask.is_floating_point():
+        lo, hi = torch.aminmax(mask)
+        return bool(lo >= 0) and bool(hi <= 1)
+    return torch.equal(nonzero, mask == 1)
 
 
 def packed_layout(response_mask, rollout_ids=None, *, segment_index=None, keep=None,

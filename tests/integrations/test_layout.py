@@ -227,3 +227,25 @@ def test_row_table_values_and_cache(monkeypatch):
     assert all(layout.row_table(1, n + 1) is tables[n] for n in range(layout._TABLES_MAX))
     newest = layout.row_table(1, 100)
     assert layout.row_table(1, 100) is newest and layout.row_table(1, 1) is not tables[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64])
+def test_mask_of_any_dtype_is_checked_for_0_and_1(dtype):
+    """as_bool_mask's checks by reduction (integers: the range; floats: nonzero == equal-to-1) reject
+    exactly the masks with a value other than 0 or 1: NaN, inf, fractions, negatives, 2."""
+    from compactionrl_fast.integrations.layout import as_bool_mask
+
+    g = torch.Generator().manual_seed(3)
+    good = (torch.rand(4, 33, generator=g) > 0.4).to(dtype)
+    assert torch.equal(as_bool_mask("response_mask", good), good != 0)
+    bads = [2, 3] + ([] if dtype == torch.uint8 else [-1]) + ([0.5, 0.999, float("nan"), float("inf"), -0.25]
+                                                              if dtype.is_floating_point else [])
+    for v in bads:
+        bad = good.clone()
+        bad[2, 17] = v
+        with pytest.raises(ValueError, match="response_mask must hold only 0 and 1"):
+            as_bool_mask("response_mask", bad)
+    neg_zero = good.clone()
+    if dtype.is_floating_point:
+        neg_zero[0, 0] = -0.0
+    assert torch.equal(as_bool_mask("response_mask", neg_zero), neg_zero != 0)

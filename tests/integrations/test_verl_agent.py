@@ -124,9 +124,10 @@ def _trainer(cfg):
     return t
 
 
-def _expected(tq, keys, rewards, cfg_sub, gamma):
+def _expected(tq, keys, rewards, cfg_sub, gamma, kl_beta=None):
     """crf.segment_gae on the packed batch (sessions in order, trainable tokens only) and the float64
-    reference; per key the [n] advantages and returns of its trainable tokens."""
+    reference; per key the [n] advantages and returns of its trainable tokens. kl_beta: verl's KL-in-reward
+    term -beta * (old_log_probs - ref_log_prob) added per token."""
     ids, pos = session_rows(keys)
     sessions = sorted(set(ids), key=ids.index)
     rows = [(rid, p) for rid in sessions for p in sorted(pp for i, pp in zip(ids, pos) if i == rid)]
@@ -141,8 +142,12 @@ def _expected(tq, keys, rewards, cfg_sub, gamma):
     place = "stitched" if mode == "stitched" else "paper"
     kw = dict(gamma=gamma, cross_segment=mode, lam=cfg_sub.get("lam", "adaptive"))
     r = crf.place_final_rewards(rr, loss_mask, cu, per, mode=place)
-    adv, ret = crf.segment_gae(r, vals, loss_mask, cu, per, **kw)
     r64 = ref.place_final_rewards(rr.double(), loss_mask, cu, per, mode=place)
+    if kl_beta is not None:
+        kl = torch.cat([(tq.rows[f"{rid}_{p}"]["old_log_probs"] - tq.rows[f"{rid}_{p}"]["ref_log_prob"])[m]
+                        for (rid, p), m in zip(rows, masks)])
+        r, r64 = r - kl_beta * kl, r64 - kl_beta * kl.double()
+    adv, ret = crf.segment_gae(r, vals, loss_mask, cu, per, **kw)
     adv64, ret64 = ref.segment_gae(r64, vals.double(), loss_mask, cu, per, **kw)
     out = {}
     for j, (rid, p) in enumerate(rows):
@@ -171,11 +176,35 @@ def test_trainer_mode_compute_advantage_on_verl_layout(tq, seed, sub):
         assert not row["advantages"][~m].any() and not row["returns"][~m].any()
 
 
+def test_trainer_mode_with_kl_in_reward(tq):
+    """verl's KL penalty (algorithm.use_kl_in_reward) stays per token; the reward is still counted once."""
+    from verl.trainer.ppo import core_algos
+
+    keys, rewards = _verl_batch(tq, 9)
+    g = torch.Generator().manual_seed(9)
+    for row in tq.rows.values():
+        row["ref_log_prob"] = row["old_log_probs"] + 0.05 * torch.randn(row["old_log_probs"].shape, generator=g)
+    cfg = _config()
+    cfg.algorithm.use_kl_in_reward, cfg.algorithm.kl_penalty, cfg.algorithm.kl_ctrl.kl_coef = True, "kl", 0.5
+    t = _trainer(cfg)
+    t.kl_ctrl_in_reward = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl)
+    metrics = {}
+    t._compute_advantage(v1.trainer_base.KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys)), metrics)
+    assert metrics["actor/reward_kl_penalty_coeff"] == 0.5
+    want = _expected(tq, keys, rewards, {}, 1.0, kl_beta=0.5)
+    for k in keys:
+        m = tq.rows[k]["response_mask"].bool()
+        torch.testing.assert_close(tq.rows[k]["advantages"][m], want[k][0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(tq.rows[k]["advantages"][m].double(), want[k][2], rtol=1e-5, atol=1e-5)
+        assert "token_level_rewards" in tq.rows[k]
+
+
 def test_trainer_mode_keeps_sync_behaviour_and_corrected_target(tq):
     t = object.__new__(v1.get_trainer_cls("compaction_sync"))
     t.trainer_mode = "compaction_sync"  # what PPOTrainer.__init__ assigns
     assert t.trainer_mode == "sync" and t.registered_mode == "compaction_sync"
     assert issubclass(type(t), v1.PPOTrainerSync)
+    assert t._reissue_inflight_prompts() == 0  # verl's own sync branch (an async mode would read tq.kv_list)
     keys, rewards = _verl_batch(tq, 7)
     cfg = _config(critic_target="corrected")
     batch = v1.trainer_base.KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys))

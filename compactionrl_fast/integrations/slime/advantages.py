@@ -1,0 +1,266 @@
+"""`compute_advantages(args, rollout_data)`: the paper's advantages and returns inside slime.
+
+slime calls it from `compute_advantages_and_returns` (slime/backends/megatron_utils/loss.py) when
+`--custom-advantage-function-path compactionrl_fast.integrations.slime.compute_advantages` is set, after it
+has put the per-token KL in `rollout_data["kl"]`; it must fill `rollout_data["advantages"]` and `["returns"]`
+(one tensor per sample). `--normalize-advantages` whitens them afterwards, as for slime's own estimators.
+
+What it reads from `rollout_data` (the keys `_split_train_data_by_dp` keeps, after `process_rollout_data`):
+per sample `loss_masks` [response_length] (0 on observation tokens), `rewards` (the rollout's reward, copied
+on every segment), `rollout_ids` (shared by the segments of one rollout), `round_number` (the segment's
+index in its rollout, 0-based: slime copies it from `Sample.metadata["round_number"]`), `partition` (the
+sample's position in the whole batch), `response_lengths`, `total_lengths`, and `values` / `kl` (CP-local
+slices when context parallelism is on). Why `round_number`: it is the only per-sample integer slime carries
+from a Sample's metadata to the trainer, and it already means the round of a multi-turn session. A
+different meaning cannot pass unnoticed: the indices of every rollout must be exactly 0..n-1, else a
+ValueError.
+
+Segments of one rollout may sit on different data-parallel ranks (slime packs micro-batches first-fit and
+deals them to ranks): the ranks first exchange a few numbers per sample over the DP group, then, only for
+the rollouts that are split, the samples' masks, values and KL. Under context parallelism each rank first
+rebuilds whole responses with slime's `all_gather_with_cp` and slices its part back with
+`slice_log_prob_with_cp`. Every rank raises the same error for bad input (errors are exchanged before
+anything is computed), so a bad batch never leaves one rank waiting in a collective.
+"""
+from __future__ import annotations
+
+import torch
+
+from ... import ops
+from ._options import advantage_options
+
+_NEEDED = ("loss_masks", "response_lengths", "total_lengths", "rewards", "rollout_ids", "partition")
+
+
+def _parallel():
+    """(dp_group, dp_size, cp_size) from megatron-core's parallel state; (None, 1, 1) when it is not set up."""
+    try:
+        from megatron.core import parallel_state as ps
+    except ImportError:
+        return None, 1, 1
+    if not ps.model_parallel_is_initialized():
+        return None, 1, 1
+    return (ps.get_data_parallel_group(with_context_parallel=False), ps.get_data_parallel_world_size(),
+            ps.get_context_parallel_world_size())
+
+
+def _all_gather(obj, group, size):
+    if size == 1:
+        return [obj]
+    out = [None] * size
+    torch.distributed.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _cp_local_length(total_len, resp_len, cp_size):
+    if cp_size == 1:
+        return resp_len
+    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+    return len(slice_log_prob_with_cp(list(range(resp_len)), total_len, resp_len))
+
+
+class _Rows:
+    """Samples as parallel lists: part (global position), rid, seg, reward, mask [n] int/bool, values [n] and
+    kl [n] (whole responses, or None)."""
+
+    def __init__(self):
+        self.part, self.rid, self.seg, self.reward, self.mask, self.values, self.kl = [], [], [], [], [], [], []
+
+    def __len__(self):
+        return len(self.part)
+
+    def add(self, part, rid, seg, reward, mask, values, kl):
+        self.part.append(part)
+        self.rid.append(rid)
+        self.seg.append(seg)
+        self.reward.append(reward)
+        self.mask.append(mask)
+        self.values.append(values)
+        self.kl.append(kl)
+
+    def select(self, keep):
+        out = _Rows()
+        for i in range(len(self)):
+            if keep(i):
+                out.add(*(getattr(self, k)[i] for k in ("part", "rid", "seg", "reward", "mask", "values", "kl")))
+        return out
+
+    def extend(self, other):
+        for k in ("part", "rid", "seg", "reward", "mask", "values", "kl"):
+            getattr(self, k).extend(getattr(other, k))
+
+    def order(self):
+        """Sample indices rollout by rollout (first appearance), segments by index."""
+        first = {}
+        for r in self.rid:
+            first.setdefault(r, len(first))
+        return sorted(range(len(self)), key=lambda i: (first[self.rid[i]], self.seg[i] or 0))
+
+
+def _local_rows(rollout_data, cp_size):
+    """This rank's samples (values and KL over whole responses) and the first problem found (None)."""
+    missing = [k for k in _NEEDED if k not in rollout_data]
+    if missing:
+        raise ValueError(f"rollout_data has no {missing}: this slime lacks the hooks compute_advantages needs "
+                         "(rollout_ids and partition kept by _split_train_data_by_dp, as in slime 0.3.1 at "
+                         "624b824); call it through --custom-advantage-function-path")
+    segs = rollout_data.get("round_number")
+    values, kl = rollout_data.get("values"), rollout_data.get("kl")
+    rows, error = _Rows(), None
+    for i, mask in enumerate(rollout_data["loss_masks"]):
+        mask = mask if isinstance(mask, torch.Tensor) else torch.as_tensor(mask)
+        resp, total = int(rollout_data["response_lengths"][i]), int(rollout_data["total_lengths"][i])
+        part, rid = int(rollout_data["partition"][i]), int(rollout_data["rollout_ids"][i])
+        local_len = _cp_local_length(total, resp, cp_size)
+        if error is None and mask.numel() != resp:
+            error = f"sample {part} (rollout {rid}): loss_mask has {mask.numel()} entries, response_length is {resp}"
+        for name, x in (("values", values), ("kl", kl)):
+            if error is None and x is not None and x[i].numel() != local_len:
+                error = (f"sample {part} (rollout {rid}): {name} has {x[i].numel()} entries, expected {local_len} "
+                         f"(the response's {'CP-local part' if cp_size > 1 else 'length'})")
+        full = [None if x is None else x[i].detach() for x in (values, kl)]
+        if cp_size > 1 and error is None:
+            from slime.backends.megatron_utils.cp_utils import all_gather_with_cp
+            full = [None if x is None else all_gather_with_cp(x.float(), total, resp).detach() for x in full]
+        rows.add(part, rid, None if segs is None else int(segs[i]), float(rollout_data["rewards"][i]), mask.reshape(-1),
+                 *full)
+    return rows, error
+
+
+def _check_rollouts(metas, untrainable):
+    """Raise the batch's first problem (the same on every rank). metas: per rank (small fields, error)."""
+    errors = [e for _, e in metas if e]
+    if errors:
+        raise ValueError(errors[0])
+    by_rid = {}
+    for rows, _ in metas:
+        for part, rid, seg, reward, n in rows:
+            by_rid.setdefault(rid, []).append((part, seg, reward, n))
+    for rid, rs in sorted(by_rid.items()):
+        segs = [s for _, s, _, _ in rs]
+        if any(s is None for s in segs):
+            if len(rs) > 1:
+                raise ValueError(f"rollout {rid} has {len(rs)} samples but no segment index: set "
+                                 "Sample.metadata['round_number'] = 0, 1, ... on each segment (the generate of "
+                                 "compactionrl_fast.integrations.slime and samples_from_rollout do)")
+            continue
+        if sorted(segs) != list(range(len(rs))):
+            raise ValueError(f"rollout {rid}: segment indices (metadata['round_number']) must be 0..{len(rs) - 1} "
+                             f"exactly once each, got {sorted(segs)}: an index repeats or is missing (a segment "
+                             "dropped, or round_number used for something else)")
+        rewards = {r for _, _, r, _ in rs}
+        if len(rewards) > 1:
+            raise ValueError(f"rollout {rid}: its segments disagree on the reward ({sorted(rewards)}); every "
+                             "segment must carry the rollout's one final reward")
+        if untrainable == "error":
+            for part, seg, _, n in rs:
+                if n == 0:
+                    raise ValueError(f"rollout {rid}, segment {seg} (sample {part}) has no trainable token "
+                                     "(loss_mask all 0, e.g. remove_sample): its reward would reach no token. "
+                                     "Set compaction_untrainable: allow to accept such samples (zero advantages)")
+
+
+def _remote_rows(rows, metas, dp_rank, group, dp_size):
+    """The samples of other ranks that belong to rollouts this rank holds (exchanged only for split rollouts)."""
+    ranks_of = {}
+    for r, (rs, _) in enumerate(metas):
+        for _, rid, _, _, _ in rs:
+            ranks_of.setdefault(rid, set()).add(r)
+    split = {rid for rid, rk in ranks_of.items() if len(rk) > 1}
+    if not split:
+        return None
+    mine = rows.select(lambda i: rows.rid[i] in split)
+    for k in ("mask", "values", "kl"):
+        setattr(mine, k, [None if x is None else x.cpu() for x in getattr(mine, k)])
+    held, remote = set(rows.rid), _Rows()
+    for r, theirs in enumerate(_all_gather(mine, group, dp_size)):
+        if r != dp_rank:
+            remote.extend(theirs.select(lambda i: theirs.rid[i] in held))
+    return remote
+
+
+def _cat(parts, lengths, device, dtype):
+    if all(p is None for p in parts):
+        return None
+    return torch.cat([torch.zeros(n, device=device) if p is None else p.to(device) for p, n in zip(parts, lengths)]
+                     ).to(dtype)
+
+
+def _packed(rows, order, device):
+    """(mask [T] bool, values [T] or None, kl [T] or None, lengths, cu_seqlens [S+1], cu_segments [R+1],
+    rollout rewards [R]) of `rows` in `order`."""
+    lengths = [rows.mask[i].numel() for i in order]
+    mask = torch.cat([rows.mask[i] for i in order]).to(device).ne(0)
+    values = _cat([rows.values[i] for i in order], lengths, device, torch.float32)
+    kl = _cat([rows.kl[i] for i in order], lengths, device, torch.float32)
+    starts = [k for k in range(len(order)) if k == 0 or rows.rid[order[k]] != rows.rid[order[k - 1]]]
+    cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(device)
+    cu_segments = torch.tensor(starts + [len(order)], dtype=torch.int64, device=device)
+    rr = torch.tensor([rows.reward[order[k]] for k in starts], dtype=torch.float32, device=device)
+    return mask, values, kl, lengths, cu_seqlens, cu_segments, rr
+
+
+def compute_advantages(args, rollout_data) -> None:
+    """slime's --custom-advantage-function-path target: sets rollout_data["advantages"] and ["returns"].
+
+    Per sample (segment): GAE over its trainable tokens, the rollout's reward once on each segment's last
+    trainable token ("paper"; only the rollout's last with cross_segment "stitched"), the KL penalty
+    `-kl_coef * kl` on every token as slime's ppo estimator adds it, the cross-segment factor
+    `(gamma*lam)^(trainable tokens in later segments of the rollout)`, adaptive lambda over the rollout's
+    trainable tokens: `crf.segment_gae` on the batch's segments packed rollout by rollout.
+    Returns are the critic's targets: "local" (default; segment_gae's returns: with gamma = lam_critic = 1
+    the rollout's reward minus the later KL, the Monte-Carlo return) or "corrected" (advantages + values).
+
+    Args:
+        args: slime's namespace (options: docs/slime.md).
+        rollout_data: slime's per-rank batch, see the module docstring.
+    """
+    kw, extra = advantage_options(args)
+    group, dp_size, cp_size = _parallel()
+    dp_rank = torch.distributed.get_rank(group) if dp_size > 1 else 0
+    if extra["kl_coef"] != 0 and rollout_data.get("kl") is None:
+        raise ValueError("--kl-coef is set but rollout_data has no 'kl': compute_advantages must be called by "
+                         "slime's compute_advantages_and_returns (--custom-advantage-function-path)")
+    rows, error = _local_rows(rollout_data, cp_size)
+    device = next((x.device for x in rows.values + rows.kl if x is not None), torch.device("cpu"))
+    order = rows.order()
+    packed = _packed(rows, order, device) if rows and error is None else None
+    counts = [0] * len(rows)
+    if packed is not None:  # trainable tokens per sample, from one cumulative sum over the packed mask
+        cs = torch.nn.functional.pad(packed[0].cumsum(0), (1, 0))
+        for i, n in zip(order, cs[packed[4]].diff().tolist()):
+            counts[i] = n
+    meta = (list(zip(rows.part, rows.rid, rows.seg, rows.reward, counts)), error)
+    metas = _all_gather(meta, group, dp_size)
+    _check_rollouts(metas, extra["untrainable"])
+    remote = _remote_rows(rows, metas, dp_rank, group, dp_size) if dp_size > 1 else None
+    n_local = len(rows)
+    if not n_local:
+        rollout_data["advantages"], rollout_data["returns"] = [], []
+        return
+    if remote:  # a rollout shared with other ranks: pack this rank's rollouts again, whole
+        rows.extend(remote)
+        order = rows.order()
+        packed = _packed(rows, order, device)
+    mask, values, kl, lengths, cu_seqlens, cu_segments, rr = packed
+    if values is None:
+        values = torch.zeros(mask.numel(), device=device)
+    token_rewards = ops.place_final_rewards(rr, mask, cu_seqlens, cu_segments, mode=extra["reward_mode"])
+    if extra["kl_coef"] != 0 and kl is not None:
+        token_rewards = token_rewards.sub_(kl, alpha=extra["kl_coef"])
+    adv, ret = ops.segment_gae(token_rewards, values, mask, cu_seqlens, cu_segments, **kw)
+    if extra["critic_target"] == "corrected":
+        ret = torch.where(mask, adv + values, 0.0)
+
+    advantages, returns = [None] * n_local, [None] * n_local
+    for a, r, i in zip(adv.split(lengths), ret.split(lengths), order):
+        if i < n_local:
+            advantages[i], returns[i] = _cp_slice(a, rollout_data, i, cp_size), _cp_slice(r, rollout_data, i, cp_size)
+    rollout_data["advantages"], rollout_data["returns"] = advantages, returns
+
+
+def _cp_slice(x, rollout_data, i, cp_size):
+    if cp_size == 1:
+        return x
+    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+    return slice_log_prob_with_cp(x, int(rollout_data["total_lengths"][i]), int(rollout_data["response_lengths"][i]))

@@ -1,0 +1,96 @@
+"""compute_advantages on 2 processes (gloo, megatron-core's real parallel state): dp = 2 with rollouts whose
+segments land on both ranks, and cp = 2 (values, log-probs and KL as CP-local slices): each equal to the
+numbers of one rank (the packed batch of the Rollout records)."""
+import tempfile
+
+import pytest
+import torch
+
+from .conftest import skip_without_slime
+
+skip_without_slime()
+
+from . import _harness as H  # noqa: E402
+
+
+def _spawn(world, cp_size, samples, inputs, args_kw):
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(H.run_rank, args=(world, H.free_port(), cp_size, samples, inputs, args_kw, d), nprocs=world,
+                 join=True)
+        return [torch.load(f"{d}/rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.mark.slow
+def test_dp2_split_rollouts_equal_one_rank():
+    rollouts = H.random_rollouts(10, seed=21, long_segment=500)
+    samples = H.samples_of(rollouts, shuffle_seed=3)
+    inputs = H.token_inputs(samples, seed=5)
+    kw = dict(kl_coef=0.05)
+    res = _spawn(2, 1, samples, inputs, kw)
+    assert all("error" not in r for r in res), res
+    ranks_of = {}
+    for r, out in enumerate(res):
+        for p in out["partition"]:
+            ranks_of.setdefault(samples[p].rollout_id, set()).add(r)
+    assert any(len(v) == 2 for v in ranks_of.values()), "the split must put a rollout on both ranks"
+    exp = H.expected(rollouts, samples, inputs, kl_coef=0.05, dtype="float64", gamma=1.0, lam="adaptive")
+    seen = set()
+    for out in res:
+        for i, p in enumerate(out["partition"]):
+            seen.add(p)
+            torch.testing.assert_close(out["advantages"][i].double(), exp[p][0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out["returns"][i].double(), exp[p][1], rtol=1e-5, atol=1e-5)
+    assert seen == set(range(len(samples)))
+
+
+@pytest.mark.slow
+def test_dp2_bad_input_raises_on_every_rank():
+    samples = H.samples_of(H.random_rollouts(6, seed=2))
+    two = next(s for s in samples if s.metadata["round_number"] == 1)
+    two.reward += 1.0  # this rollout's segments now disagree on the reward
+    # first-fit packing into micro-batches of at most 512 tokens, as --use-dynamic-batch-size does
+    res = _spawn(2, 1, samples, H.token_inputs(samples, seed=1),
+                 dict(use_dynamic_batch_size=True, max_tokens_per_gpu=512))
+    assert all("disagree on the reward" in r.get("error", "") for r in res), res
+
+
+@pytest.mark.slow
+def test_cp2_equals_one_rank():
+    from slime.backends.megatron_utils.cp_utils import get_logits_and_tokens_offset_with_cp  # noqa: F401
+
+    rollouts = H.random_rollouts(6, seed=31)
+    samples = H.samples_of(rollouts, shuffle_seed=2)
+    inputs = H.token_inputs(samples, seed=6)
+    kw = dict(kl_coef=0.1, compaction_cross_segment="stitched")
+    res = _spawn(2, 2, samples, inputs, kw)
+    assert all("error" not in r for r in res), res
+    exp = H.expected(rollouts, samples, inputs, kl_coef=0.1, dtype="float64", gamma=1.0, lam="adaptive",
+                     cross_segment="stitched")
+    # each CP rank holds two zigzag chunks of every response: put them back together and compare
+    for i, p in enumerate(res[0]["partition"]):
+        n, t = res[0]["response_lengths"][i], res[0]["total_lengths"][i]
+        full = _unslice([r["advantages"][i] for r in res], t, n)
+        torch.testing.assert_close(full.double(), exp[p][0], rtol=1e-5, atol=1e-5)
+        full = _unslice([r["returns"][i] for r in res], t, n)
+        torch.testing.assert_close(full.double(), exp[p][1], rtol=1e-5, atol=1e-5)
+
+
+def _unslice(parts, total, resp):
+    """The response [resp] from each CP rank's slice, by slicing an index vector the same way."""
+    import slime.backends.megatron_utils.cp_utils as cp
+    from megatron.core import mpu
+
+    out = torch.full((resp,), float("nan"))
+    idx = torch.arange(resp, dtype=torch.float64)
+    saved = mpu.get_context_parallel_world_size, mpu.get_context_parallel_rank
+    try:
+        for rank, part in enumerate(parts):
+            mpu.get_context_parallel_world_size, mpu.get_context_parallel_rank = (lambda: 2), (lambda r=rank: r)
+            pos = cp.slice_log_prob_with_cp(idx, total, resp).long()
+            out[pos] = part.float()
+    finally:
+        mpu.get_context_parallel_world_size, mpu.get_context_parallel_rank = saved
+    assert not out.isnan().any(), "the CP slices must cover the whole response"
+    return out

@@ -1,0 +1,256 @@
+"""generate (slime's --custom-generate-function-path) against real HTTP servers speaking SGLang's /generate:
+slime's own FakeSGLangServer (tests/test_agent/_fakes.py of the snapshot) for the protocol, and a server
+backed by a real tiny model (our TransformersEngine) for a run with compactions whose log-probs must match
+the model's forward; then the Samples go through slime's data path into compute_advantages."""
+import argparse
+import asyncio
+import dataclasses
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from .conftest import skip_without_slime
+
+skip_without_slime()
+
+from . import _harness as H  # noqa: E402
+
+from compactionrl_fast.envs.memory import MemoryEnv, memory_config, memory_tokenizer  # noqa: E402
+from compactionrl_fast.integrations.slime import SGLangEngine, generate  # noqa: E402
+
+TOK_PATH = "compactionrl_fast.envs.memory.memory_tokenizer"
+HERE = "tests.integrations.slime.test_generate"
+
+
+def _fakes():
+    import slime
+
+    path = os.path.join(os.path.dirname(os.path.dirname(slime.__file__)), "tests", "test_agent", "_fakes.py")
+    if not os.path.exists(path):
+        pytest.skip(f"slime's tests/test_agent/_fakes.py is not beside this slime ({path})")
+    spec = importlib.util.spec_from_file_location("slime_test_agent_fakes", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class TwoStepEnv:
+    """Two turns: the first observation is filler words, the second ends the episode with reward 1."""
+
+    def __init__(self):
+        self.n = 0
+
+    def reset(self, seed):
+        return "memory", "collect 1 digits answer all in order"
+
+    def step(self, action):
+        self.n += 1
+        return ("la lo li " * 6).strip(), self.n >= 2, 1.0 if self.n >= 2 else 0.0
+
+
+def make_two_step_env(args, sample):
+    return TwoStepEnv()
+
+
+def make_memory_env(args, sample):
+    return MemoryEnv(n_digits=3, n_fillers=15)
+
+
+def _args(port, env, **rollout):
+    return argparse.Namespace(sglang_router_ip="127.0.0.1", sglang_router_port=port, compaction_env=f"{HERE}.{env}",
+                              compaction_tokenizer=TOK_PATH, compaction_rollout=rollout, partial_rollout=False,
+                              hf_checkpoint=None, rollout_max_context_len=None)
+
+
+def _port(url):
+    return int(url.rsplit(":", 1)[1])
+
+
+def test_protocol_against_slimes_fake_server():
+    from slime.utils.types import Sample
+
+    fakes = _fakes()
+    tok = memory_tokenizer()
+    nxt, eos = tok.convert_tokens_to_ids("next"), tok.eos_token_id
+    summary = [tok.convert_tokens_to_ids(w) for w in ("digit", "1", "5")]
+    turns = [[(-0.5, nxt), (-0.25, eos)], [(-0.1, t) for t in summary] + [(-0.2, eos)], [(-0.75, nxt), (-0.5, eos)]]
+    cfg = dataclasses.asdict(memory_config(budget=64, compact_threshold=40))
+
+    async def run():
+        async with fakes.FakeSGLangServer([list(t) for t in turns]) as srv:
+            args = _args(_port(srv.url), "make_two_step_env", **cfg)
+            out = await generate(args, Sample(index=7, prompt="p"), {"max_new_tokens": 16, "temperature": 1.0,
+                                                                     "top_p": 1.0, "top_k": -1})
+            return out, srv.requests
+
+    samples, requests = asyncio.run(run())
+    assert len(requests) == 3  # act, summarize, act
+    for req in requests:
+        assert req["return_logprob"] is True and isinstance(req["input_ids"], list)
+        assert eos in req["sampling_params"]["stop_token_ids"] and req["sampling_params"]["top_k"] == -1
+    assert [s.metadata["round_number"] for s in samples] == [0, 1, 2]
+    assert [s.metadata["compaction"]["kind"] for s in samples] == ["exec", "summary", "exec"]
+    assert {s.rollout_id for s in samples} == {7} and {s.reward for s in samples} == {1.0}
+    assert all(s.status == Sample.Status.COMPLETED for s in samples)
+    for s, req, t in zip(samples, requests, turns):
+        assert s.tokens[:len(req["input_ids"])] == req["input_ids"]  # the prompt the server saw, untouched
+        assert len(s.loss_mask) == s.response_length and len(s.rollout_log_probs) == s.response_length
+        resp = s.tokens[-s.response_length:]
+        lps = [lp for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m]
+        assert [x for x, m in zip(resp, s.loss_mask) if m] == [tid for _, tid in t]
+        assert lps == [lp for lp, _ in t]
+    # the first window's response: the sampled tokens, then the end of turn and the observation (mask 0)
+    assert samples[0].loss_mask[:2] == [1, 1] and not any(samples[0].loss_mask[2:])
+
+
+def test_abort_and_errors():
+    from slime.utils.types import Sample
+
+    fakes = _fakes()
+
+    async def run(turns, finish_reason, **kw):
+        async with fakes.FakeSGLangServer(turns, finish_reason=finish_reason) as srv:
+            args = _args(_port(srv.url), "make_two_step_env", **kw)
+            return await generate(args, Sample(index=1), {"max_new_tokens": 8})
+
+    s = asyncio.run(run([[(-0.1, 5)]], "abort"))
+    assert isinstance(s, Sample) and s.status == Sample.Status.ABORTED
+    with pytest.raises(ValueError, match="--partial-rollout"):
+        asyncio.run(generate(argparse.Namespace(partial_rollout=True), Sample(index=1), {}))
+    with pytest.raises(ValueError, match="compaction_env is not set"):
+        asyncio.run(generate(argparse.Namespace(), Sample(index=1), {}))
+    with pytest.raises(ValueError, match="compaction_rollout"):
+        asyncio.run(run([], "stop", budget=-3))
+
+
+class ModelServer:
+    """/generate over HTTP backed by TransformersEngine (a real model), SGLang's request and response shape."""
+
+    def __init__(self, engine):
+        self.engine, self.requests = engine, 0
+
+    async def _handle(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        sp = body["sampling_params"]
+        g = self.engine.generate([body["input_ids"]], [sp["max_new_tokens"]], temperature=sp["temperature"],
+                                 top_p=sp["top_p"], stop_token_ids=sp["stop_token_ids"], seed=sp.get("sampling_seed"))[0]
+        self.requests += 1
+        return web.json_response({"text": "", "meta_info": {
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(g.logprobs, g.token_ids)],
+            "finish_reason": {"type": g.finish_reason}}})
+
+    async def __aenter__(self):
+        from aiohttp import web
+        from aiohttp.test_utils import TestServer
+
+        app = web.Application()
+        app.router.add_post("/generate", self._handle)
+        self._server = TestServer(app)
+        await self._server.start_server()
+        self.url = str(self._server.make_url("")).rstrip("/")
+        return self
+
+    async def __aexit__(self, *exc):
+        await self._server.close()
+
+
+@pytest.mark.slow
+def test_real_model_logprobs_and_advantages():
+    from slime.utils.types import Sample
+
+    from compactionrl_fast.envs.models import tiny_llama
+    from compactionrl_fast.rollout.engines import TransformersEngine
+
+    _hide_repo_kernels_folder()
+    tok = memory_tokenizer()
+    model = tiny_llama(len(tok), seed=3)
+    cfg = dataclasses.asdict(memory_config(max_turns=12, seed=5))
+
+    async def run():
+        async with ModelServer(TransformersEngine(model, pad_token_id=tok.pad_token_id)) as srv:
+            args = _args(_port(srv.url), "make_memory_env", **cfg)
+            outs = await asyncio.gather(*(generate(args, Sample(index=i, prompt=f"p{i}"),
+                                                   {"max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0})
+                                          for i in range(3)))
+            return [s for o in outs for s in o]
+
+    samples = asyncio.run(run())
+    kinds = [s.metadata["compaction"]["kind"] for s in samples]
+    assert "summary" in kinds, "the memory task's budget must force compactions"
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor(s.tokens)
+            logp = torch.log_softmax(model(ids[None]).logits[0].float(), -1)
+            first = len(s.tokens) - s.response_length
+            pos = torch.arange(first, len(s.tokens))
+            want = logp[pos - 1, ids[pos]]
+            m = torch.tensor(s.loss_mask, dtype=torch.bool)
+            torch.testing.assert_close(torch.tensor(s.rollout_log_probs)[m], want[m], rtol=1e-4, atol=1e-4)
+    # these Samples through slime's data path: compute_advantages equals the packed batch's numbers
+    ps = H.init_parallel(0, 1, H.free_port())
+    try:
+        from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+
+        inputs = H.token_inputs(samples, seed=9)
+        args = H.slime_args(kl_coef=0.02)
+        rd = H.add_token_inputs(H.rank_data(H.train_data(samples, args, 1), args, 0, 1), inputs)
+        compute_advantages_and_returns(args, rd)
+    finally:
+        ps.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+    rollouts = _rollouts_of(samples)
+    exp = H.expected(rollouts, samples, inputs, kl_coef=0.02, dtype="float64", gamma=1.0, lam="adaptive")
+    for i, p in enumerate(rd["partition"]):
+        torch.testing.assert_close(rd["advantages"][i].double(), exp[p][0], rtol=1e-5, atol=1e-5)
+
+
+def _hide_repo_kernels_folder():
+    """transformers 5.24 imports a module named `kernels` when one is found on sys.path and has no metadata; from
+    the repository root that is our kernels/ folder, whose guard refuses the bare name. Without the `kernels`
+    distribution installed, tell the import system there is none (sys.modules None: find_spec returns None)."""
+    import importlib.metadata
+    import sys
+
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        sys.modules.setdefault("kernels", None)
+
+
+def _rollouts_of(samples):
+    """Rollout records rebuilt from the Samples (tokens, masks), rollout id = position: for the oracle."""
+    from compactionrl_fast.rollout.records import Rollout, Segment
+
+    by = {}
+    for s in samples:
+        by.setdefault(s.rollout_id, []).append(s)
+    out = []
+    for rid in sorted(by):
+        assert rid == len(out)
+        segs = []
+        for s in sorted(by[rid], key=lambda s: s.metadata["round_number"]):
+            first = len(s.tokens) - s.response_length
+            segs.append(Segment(s.metadata["compaction"]["kind"], s.tokens, [False] * first +
+                                [bool(m) for m in s.loss_mask], [0.0] * len(s.tokens)))
+        out.append(Rollout(segments=segs, reward=by[rid][0].reward))
+    return out
+
+
+def test_engine_generate_sync():
+    fakes = _fakes()
+
+    async def serve():
+        async with fakes.FakeSGLangServer([[(-0.5, 4), (-0.25, 2)], [(-0.1, 3)]], finish_reason="length") as srv:
+            eng = SGLangEngine(srv.url)
+            loop = asyncio.get_running_loop()
+            one = [await loop.run_in_executor(None, lambda: eng.generate([p], 4, stop_token_ids=[2])[0])
+                   for p in ([1, 2], [3])]  # one at a time: the fake answers in order
+            return one, srv.requests
+
+    g, reqs = asyncio.run(serve())
+    assert [x.token_ids for x in g] == [[4, 2], [3]] and [x.finish_reason for x in g] == ["stop", "length"]
+    assert g[0].logprobs == [-0.5, -0.25] and [r["input_ids"] for r in reqs] == [[1, 2], [3]]

@@ -91,7 +91,7 @@ def compaction_advantages(keys, token_level_scores, values, response_mask, confi
     ids, pos = session_rows(keys)
     table = row_table(B, L, ids, pos, mask.device)
     order = torch.tensor(table.order, dtype=torch.int64, device=mask.device)
-    row_score = scores.double().sum(-1)[order]  # [B] in segment order
+    row_score = scores.sum(-1, dtype=torch.float64)[order]  # [B] in segment order
     n_seg = table.cu_segments.diff()
     rollout_score = row_score[table.cu_segments[1:] - 1]  # [R] the last segment's score
     per_row = torch.repeat_interleave(rollout_score, n_seg)

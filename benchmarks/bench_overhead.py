@@ -38,12 +38,13 @@ def _cases(b, device):
     gae_op = ops.segment_gae_triton if cuda else ops.segment_gae
     pl_op = ops.ppo_policy_loss_triton if cuda else ops.ppo_policy_loss
     vl_op = ops.value_loss_triton if cuda else ops.value_loss
+    place_op = ops.place_final_rewards_triton if cuda else ops.place_final_rewards
     w = segment_weights(mask, cu, cs, "token-mean")
     return [
         ("segment_gae", lambda: crf.segment_gae(x, y, mask, cu, cs),
          lambda: gae_op(x, y, mask, cu, cs, None, 1.0, 0.0, LAM_ADAPTIVE_ROLLOUT, 1.5, CROSS_MODES["paper"], 1.0)),
         ("place_final_rewards", lambda: crf.place_final_rewards(x[:2], mask, cu, cs),
-         lambda: ops.place_final_rewards(x[:2], mask, cu, cs, False)),
+         lambda: place_op(x[:2], mask, cu, cs, False)),
         ("ppo_policy_loss", lambda: crf.ppo_policy_loss(x, y, z, mask, cu_seqlens=cu, cu_segments=cs),
          lambda: pl_op(x, y, z, mask, None, cu, w, 0.8, 1.2, 3.4e38, float("inf"), False)),
         ("value_loss", lambda: crf.value_loss(x, y, z, mask, cu_seqlens=cu, clip=0.2),

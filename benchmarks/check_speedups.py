@@ -16,7 +16,9 @@ Ops (forward + backward where the op has gradients), inputs from the benchmark s
   (the per-token float64 oracle is too slow at a size where the kernel, not the call overhead, counts);
 - ppo_policy_loss, value_loss: cpp against the float64 references, token-mean with cu_seqlens;
 - value_head_loss: bf16 hidden (the C++ head) against `reference.value_head` + `reference.value_loss`;
-- linear_logprobs: the CPU chunk loop against `reference.naive_linear_logprobs`.
+- linear_logprobs: the CPU chunk loop against `reference.naive_linear_logprobs`;
+- place_final_rewards: cpp against the torch backend (a cummax over the tokens; the float64 oracle loops
+  over tokens in Python, too slow at this size), rollouts of 4 segments.
 
 `--record` writes the measured speed-ups and floors (half of each) to the floors file, with the git
 revision and load they were measured at. The name is not bench_*.py: `python -m benchmarks` runs those.
@@ -77,6 +79,12 @@ def cases():
     out["value_head_loss"] = (
         lambda: _grads(ref.value_loss(ref.value_head(*leaves), *hv, clip=CLIP)[0], leaves),
         lambda: _grads(crf.value_head_loss(*leaves, *hv, clip=CLIP)[0], leaves))
+
+    bp = bench_gae.make_batch(32, 4096, segments=4)  # 128K tokens
+    place = (torch.randn(32, generator=torch.Generator().manual_seed(0)), bp["loss_mask"], bp["cu_seqlens"],
+             bp["cu_segments"])
+    out["place_final_rewards"] = (lambda: crf.place_final_rewards(*place, backend="torch"),
+                                  lambda: crf.place_final_rewards(*place))
 
     hl, wl, yl = bench_linear_logprobs.make_inputs(256, 256, 8192, torch.float32, "cpu")
     out["linear_logprobs"] = (lambda: bench_linear_logprobs.naive_step(hl, wl, yl, False),

@@ -36,7 +36,8 @@ MODULES = {
     # op (dynamo cannot trace mutmut's trampolines) and those that run 2-3 OpenMP threads (a process forked after
     # that hangs in libgomp: each mutant's process is a fork of the one that ran these tests), and the CUDA kernels
     # run on the host (they test csrc/, not the module, slowly)
-    "ops/gae": ["tests/ops/test_gae.py", "tests/ops/test_segment_params.py", *HOST_SYNC, *FAST],
+    "ops/gae": ["tests/ops/test_gae.py", "tests/ops/test_segment_params.py", "tests/ops/test_place.py", *HOST_SYNC,
+                *FAST],
     "ops/_reduction": ["tests/ops/test_reduction.py", "tests/ops/test_ppo_loss.py", "tests/ops/test_value_loss.py",
                        *HOST_SYNC, *FAST],
     "ops/denominator": ["tests/ops/test_reduction.py", *FAST],

@@ -3,7 +3,8 @@ compacted rollouts (docs/ops.md).
 
 Backends: "triton" (kernels/gae.py, custom ops `compactionrl_fast::segment_gae_triton` and
 `segment_gae_params_triton`), "cuda" and "cpp" (csrc/, op `compactionrl_fast::segment_gae`;
-`segment_gae_params` on "cpp"), "torch" (the reference). All are torch.library custom ops with fake impls, so torch.compile traces them without a graph break; advantages are targets, not
+`segment_gae_params` on "cpp"), "torch" (the reference). `place_final_rewards`: "triton" (kernels/place.py),
+"cuda" and "cpp" (csrc/, op `compactionrl_fast::place_final_rewards`), "torch" (a composite). All are torch.library custom ops with fake impls, so torch.compile traces them without a graph break; advantages are targets, not
 functions of parameters, so there is no autograd. No host sync on CUDA tensors: offsets are checked
 where `value_checks` allows, and every kernel clamps them.
 """

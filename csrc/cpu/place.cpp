@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "../common/alloc.h"
+#include "../common/place_inputs.h"
 #include "segment_runs.h"
 
 namespace {
@@ -24,24 +25,12 @@ inline int64_t last_true(const uint8_t* m, int64_t b, int64_t e) {
 
 at::Tensor place_final_rewards_cpu(const at::Tensor& rollout_rewards, const at::Tensor& loss_mask,
                                    const at::Tensor& cu_seqlens, const at::Tensor& cu_segments, bool stitched) {
-  TORCH_CHECK(rollout_rewards.device().is_cpu() && loss_mask.device().is_cpu() && cu_seqlens.device().is_cpu() &&
-                  cu_segments.device().is_cpu(),
-              "place_final_rewards: all tensors must be on the CPU");
-  TORCH_CHECK_TYPE(loss_mask.scalar_type() == at::kBool && loss_mask.dim() == 1,
-                   "place_final_rewards: loss_mask must be a bool [T] tensor");
-  TORCH_CHECK_TYPE(at::isFloatingType(rollout_rewards.scalar_type()) && rollout_rewards.dim() == 1,
-                   "place_final_rewards: rollout_rewards must be a float [R] tensor");
+  TORCH_CHECK(loss_mask.device().is_cpu(), "place_final_rewards: all tensors must be on the CPU");
+  crf::check_place_inputs(rollout_rewards, loss_mask, cu_seqlens, cu_segments);
   const auto idx = cu_seqlens.scalar_type();
-  TORCH_CHECK_TYPE((idx == at::kInt || idx == at::kLong) && cu_segments.scalar_type() == idx,
-                   "place_final_rewards: cu_seqlens and cu_segments must share one dtype, int32 or int64");
-  TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_segments.dim() == 1 && cu_seqlens.numel() >= 1 &&
-                        cu_segments.numel() >= 1,
-                    "place_final_rewards: cu_seqlens and cu_segments must be 1-D with at least one element");
   auto mask = loss_mask.contiguous(), cs = cu_seqlens.contiguous(), cg = cu_segments.contiguous();
   auto rr = rollout_rewards.to(at::kFloat).contiguous();
   const int64_t T = mask.numel(), S = cs.numel() - 1, R = cg.numel() - 1;
-  TORCH_CHECK_VALUE(rr.numel() == R, "place_final_rewards: rollout_rewards must be [R] with R=", R, ", got ",
-                    rr.numel());
   // the loop indexes loss_mask and the output with the offsets: checked here too (O(S + R)), since the op can be
   // called without the Python checks; a bad layout is a ValueError, never an out-of-bounds access
   crf::check_offsets_host("place_final_rewards", cs, T);

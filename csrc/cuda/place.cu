@@ -7,6 +7,7 @@
 #include <torch/types.h>
 
 #include "../common/alloc.h"
+#include "../common/place_inputs.h"
 #include "place_kernels.cuh"
 
 namespace {
@@ -14,22 +15,10 @@ namespace {
 at::Tensor place_final_rewards_cuda(const at::Tensor& rollout_rewards, const at::Tensor& loss_mask,
                                     const at::Tensor& cu_seqlens, const at::Tensor& cu_segments, bool stitched) {
   const at::Device dev = loss_mask.device();
-  TORCH_CHECK(dev.is_cuda() && rollout_rewards.device() == dev && cu_seqlens.device() == dev &&
-                  cu_segments.device() == dev,
-              "place_final_rewards: all tensors must be on the same CUDA device");
-  TORCH_CHECK_TYPE(loss_mask.scalar_type() == at::kBool && loss_mask.dim() == 1,
-                   "place_final_rewards: loss_mask must be a bool [T] tensor");
-  TORCH_CHECK_TYPE(at::isFloatingType(rollout_rewards.scalar_type()) && rollout_rewards.dim() == 1,
-                   "place_final_rewards: rollout_rewards must be a float [R] tensor");
+  TORCH_CHECK(dev.is_cuda(), "place_final_rewards: all tensors must be on the same CUDA device");
+  crf::check_place_inputs(rollout_rewards, loss_mask, cu_seqlens, cu_segments);
   const auto idx = cu_seqlens.scalar_type();
-  TORCH_CHECK_TYPE((idx == at::kInt || idx == at::kLong) && cu_segments.scalar_type() == idx,
-                   "place_final_rewards: cu_seqlens and cu_segments must share one dtype, int32 or int64");
-  TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_segments.dim() == 1 && cu_seqlens.numel() >= 1 &&
-                        cu_segments.numel() >= 1,
-                    "place_final_rewards: cu_seqlens and cu_segments must be 1-D with at least one element");
   const int64_t T = loss_mask.numel(), S = cu_seqlens.numel() - 1, R = cu_segments.numel() - 1;
-  TORCH_CHECK_VALUE(rollout_rewards.numel() == R, "place_final_rewards: rollout_rewards must be [R] with R=", R,
-                    ", got ", rollout_rewards.numel());
   const c10::cuda::CUDAGuard guard(dev);
   auto rr = rollout_rewards.to(at::kFloat).contiguous(), mask = loss_mask.contiguous();
   auto cs = cu_seqlens.contiguous(), cg = cu_segments.contiguous();

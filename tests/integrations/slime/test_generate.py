@@ -254,3 +254,27 @@ def test_engine_generate_sync():
     g, reqs = asyncio.run(serve())
     assert [x.token_ids for x in g] == [[4, 2], [3]] and [x.finish_reason for x in g] == ["stop", "length"]
     assert g[0].logprobs == [-0.5, -0.25] and [r["input_ids"] for r in reqs] == [[1, 2], [3]]
+
+
+def test_harness_calls_give_the_loops_samples_and_advantages():
+    """A slime harness that logs its LLM calls: samples_from_calls gives the same Samples (hence the same
+    advantages) as the loop's own segments, where one Sample per segment with the full reward each and no order
+    (slime's TrajectoryManager) would not be linked at all."""
+    from slime.utils.types import Sample
+
+    from compactionrl_fast.envs.memory import expert_rollouts
+    from compactionrl_fast.integrations.slime import samples_from_calls, samples_from_rollout
+    from compactionrl_fast.rollout import calls_from_rollout, loop_summary_suffix
+
+    cfg = memory_config()
+    rollouts = expert_rollouts(4, seed=2, config=cfg)
+    assert any(ro.compactions for ro in rollouts)
+    suffix = loop_summary_suffix(memory_tokenizer(), cfg)
+    for i, ro in enumerate(rollouts):
+        final = ro.segments[-1].input_ids if ro.segments[-1].kind == "exec" else None
+        got = samples_from_calls(calls_from_rollout(ro), ro.reward, Sample(index=i), finish_reason=ro.finish_reason,
+                                 summary_suffix=suffix, final_context=final)
+        want = samples_from_rollout(ro, Sample(index=i))
+        key = lambda s: (s.tokens, s.response_length, s.loss_mask, s.rollout_log_probs, s.reward, s.rollout_id,  # noqa: E731
+                         s.status, s.metadata["round_number"])
+        assert [key(s) for s in got] == [key(s) for s in want]

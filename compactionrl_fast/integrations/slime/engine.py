@@ -8,6 +8,7 @@ slime's own `generate` speaks (slime/rollout/sglang_rollout.py).
 from __future__ import annotations
 
 import asyncio
+import weakref
 
 from ...rollout.engines.base import Engine, Generation, caps_list
 
@@ -64,7 +65,8 @@ class SGLangEngine(Engine):
         self.sampling_params = dict(sampling_params or {})
         self.timeout_s, self.headers = timeout_s, dict(headers or {})
         self.requests = 0
-        self._clients = {}  # one httpx.AsyncClient per event loop (a client cannot cross loops)
+        # one httpx.AsyncClient per event loop (a client cannot cross loops); gone with its loop
+        self._clients = weakref.WeakKeyDictionary()
 
     def _client(self):
         loop = asyncio.get_running_loop()

@@ -17,7 +17,6 @@ from . import _stubs
 _stubs.install()
 
 import ray  # noqa: E402
-from slime.utils.misc import Box  # noqa: E402
 from slime.utils.types import Sample  # noqa: E402
 
 import compactionrl_fast as crf  # noqa: E402

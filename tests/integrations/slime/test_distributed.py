@@ -58,8 +58,6 @@ def test_dp2_bad_input_raises_on_every_rank():
 
 @pytest.mark.slow
 def test_cp2_equals_one_rank():
-    from slime.backends.megatron_utils.cp_utils import get_logits_and_tokens_offset_with_cp  # noqa: F401
-
     rollouts = H.random_rollouts(6, seed=31)
     samples = H.samples_of(rollouts, shuffle_seed=2)
     inputs = H.token_inputs(samples, seed=6)

@@ -137,7 +137,8 @@ class ModelServer:
         body = await request.json()
         sp = body["sampling_params"]
         g = self.engine.generate([body["input_ids"]], [sp["max_new_tokens"]], temperature=sp["temperature"],
-                                 top_p=sp["top_p"], stop_token_ids=sp["stop_token_ids"], seed=sp.get("sampling_seed"))[0]
+                                 top_p=sp["top_p"], stop_token_ids=sp["stop_token_ids"],
+                                 seed=sp.get("sampling_seed"))[0]
         self.requests += 1
         return web.json_response({"text": "", "meta_info": {
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(g.logprobs, g.token_ids)],
@@ -275,6 +276,6 @@ def test_harness_calls_give_the_loops_samples_and_advantages():
         got = samples_from_calls(calls_from_rollout(ro), ro.reward, Sample(index=i), finish_reason=ro.finish_reason,
                                  summary_suffix=suffix, final_context=final)
         want = samples_from_rollout(ro, Sample(index=i))
-        key = lambda s: (s.tokens, s.response_length, s.loss_mask, s.rollout_log_probs, s.reward, s.rollout_id,  # noqa: E731
-                         s.status, s.metadata["round_number"])
-        assert [key(s) for s in got] == [key(s) for s in want]
+        fields = ("tokens", "response_length", "loss_mask", "rollout_log_probs", "reward", "rollout_id", "status")
+        assert [[getattr(s, f) for f in fields] + [s.metadata["round_number"]] for s in got] == \
+               [[getattr(s, f) for f in fields] + [s.metadata["round_number"]] for s in want]

@@ -166,7 +166,6 @@ def test_real_model_logprobs_and_advantages():
     from compactionrl_fast.envs.models import tiny_llama
     from compactionrl_fast.rollout.engines import TransformersEngine
 
-    _hide_repo_kernels_folder()
     tok = memory_tokenizer()
     model = tiny_llama(len(tok), seed=3)
     cfg = dataclasses.asdict(memory_config(max_turns=12, seed=5))
@@ -207,19 +206,6 @@ def test_real_model_logprobs_and_advantages():
     exp = H.expected(rollouts, samples, inputs, kl_coef=0.02, dtype="float64", gamma=1.0, lam="adaptive")
     for i, p in enumerate(rd["partition"]):
         torch.testing.assert_close(rd["advantages"][i].double(), exp[p][0], rtol=1e-5, atol=1e-5)
-
-
-def _hide_repo_kernels_folder():
-    """transformers 5.24 imports a module named `kernels` when one is found on sys.path and has no metadata; from
-    the repository root that is our kernels/ folder, whose guard refuses the bare name. Without the `kernels`
-    distribution installed, tell the import system there is none (sys.modules None: find_spec returns None)."""
-    import importlib.metadata
-    import sys
-
-    try:
-        importlib.metadata.version("kernels")
-    except importlib.metadata.PackageNotFoundError:
-        sys.modules.setdefault("kernels", None)
 
 
 def _rollouts_of(samples):

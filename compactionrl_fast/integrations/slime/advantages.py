@@ -53,10 +53,12 @@ def _all_gather(obj, group, size):
 
 
 def _cp_local_length(total_len, resp_len, cp_size):
+    """How many response positions this CP rank holds (what slice_log_prob_with_cp keeps)."""
     if cp_size == 1:
         return resp_len
-    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
-    return len(slice_log_prob_with_cp(list(range(resp_len)), total_len, resp_len))
+    from slime.backends.megatron_utils.cp_utils import get_logits_and_tokens_offset_with_cp
+    _, _, (l0, l1), _ = get_logits_and_tokens_offset_with_cp(total_len, resp_len)
+    return (l0[1] - l0[0]) + (l1[1] - l1[0])
 
 
 class _Rows:

@@ -27,6 +27,13 @@ from compactionrl_fast.rollout.records import EXEC, SUMMARY, Rollout, Segment  #
 ADV_FN = "compactionrl_fast.integrations.slime.compute_advantages"
 
 
+def prompt_heavy_rollout():
+    """One exec segment of 9 tokens, 2 of them the response: at cp = 2 the zigzag chunks are 3 tokens and the
+    fourth is padding, so CP rank 0 holds no response token (where slime's own ppo estimator raises IndexError)."""
+    return Rollout(segments=[Segment(EXEC, list(range(1, 10)), [False] * 7 + [True] * 2, [0.0] * 7 + [-0.5] * 2)],
+                   reward=1.5, finish_reason="done")
+
+
 def random_rollouts(n, seed, *, long_segment=0, allow_empty=False):
     """n Rollouts of 1-4 segments (exec windows with observation runs, summaries, a final summary sometimes,
     single-token responses); `long_segment` tokens in one window; empty (untrainable) segments if allowed."""
@@ -203,5 +210,6 @@ def run_rank(rank, world, port, cp_size, samples, inputs, args_kw, out_dir):
                   "total_lengths": rd["total_lengths"], "response_lengths": rd["response_lengths"]}
     except ValueError as e:
         result = {"error": str(e)}
+
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()

@@ -58,12 +58,14 @@ def test_dp2_bad_input_raises_on_every_rank():
 
 @pytest.mark.slow
 def test_cp2_equals_one_rank():
-    rollouts = H.random_rollouts(6, seed=31)
+    rollouts = H.random_rollouts(6, seed=31) + [H.prompt_heavy_rollout()]
     samples = H.samples_of(rollouts, shuffle_seed=2)
     inputs = H.token_inputs(samples, seed=6)
     kw = dict(kl_coef=0.1, compaction_cross_segment="stitched")
     res = _spawn(2, 2, samples, inputs, kw)
     assert all("error" not in r for r in res), res
+    heavy = next(i for i, p in enumerate(res[0]["partition"]) if samples[p].rollout_id == len(rollouts) - 1)
+    assert res[0]["advantages"][heavy].numel() == 0 < res[1]["advantages"][heavy].numel()  # CP rank 0 holds none
     exp = H.expected(rollouts, samples, inputs, kl_coef=0.1, dtype="float64", gamma=1.0, lam="adaptive",
                      cross_segment="stitched")
     # each CP rank holds two zigzag chunks of every response: put them back together and compare

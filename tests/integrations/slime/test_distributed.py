@@ -1,6 +1,6 @@
-"""compute_advantages on 2 processes (gloo, megatron-core's real parallel state): dp = 2 with rollouts whose
-segments land on both ranks, and cp = 2 (values, log-probs and KL as CP-local slices): each equal to the
-numbers of one rank (the packed batch of the Rollout records)."""
+"""compute_advantages on 2 and 4 processes (gloo, megatron-core's real parallel state): dp = 2 with rollouts whose
+segments land on both ranks, cp = 2 (values, log-probs and KL as CP-local slices), and dp = 2 x cp = 2: each
+equal to the numbers of one rank (the packed batch of the Rollout records)."""
 import tempfile
 
 import pytest
@@ -94,3 +94,28 @@ def _unslice(parts, total, resp):
         mpu.get_context_parallel_world_size, mpu.get_context_parallel_rank = saved
     assert not out.isnan().any(), "the CP slices must cover the whole response"
     return out
+
+
+@pytest.mark.slow
+def test_dp2_cp2_equals_one_rank():
+    rollouts = H.random_rollouts(8, seed=41) + [H.prompt_heavy_rollout()]
+    samples = H.samples_of(rollouts, shuffle_seed=4)
+    inputs = H.token_inputs(samples, seed=8)
+    res = _spawn(4, 2, samples, inputs, dict(kl_coef=0.05, use_dynamic_batch_size=True, max_tokens_per_gpu=96))
+    assert all("error" not in r for r in res), res
+    exp = H.expected(rollouts, samples, inputs, kl_coef=0.05, dtype="float64", gamma=1.0, lam="adaptive")
+    seen = set()
+    for dp in range(2):  # ranks 2*dp and 2*dp+1 are the CP pair of DP rank dp (no TP/PP)
+        a, b = res[2 * dp], res[2 * dp + 1]
+        assert a["partition"] == b["partition"]
+        for i, p in enumerate(a["partition"]):
+            seen.add(p)
+            n, t = a["response_lengths"][i], a["total_lengths"][i]
+            full = _unslice([a["advantages"][i], b["advantages"][i]], t, n)
+            torch.testing.assert_close(full.double(), exp[p][0], rtol=1e-5, atol=1e-5)
+    assert seen == set(range(len(samples)))
+    ranks_of = {}
+    for dp in range(2):
+        for p in res[2 * dp]["partition"]:
+            ranks_of.setdefault(samples[p].rollout_id, set()).add(dp)
+    assert any(len(v) == 2 for v in ranks_of.values()), "the split must put a rollout on both DP ranks"

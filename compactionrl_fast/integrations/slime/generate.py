@@ -154,7 +154,10 @@ async def generate(args, sample, sampling_params, evaluation=False):
     seed = (sample.metadata or {}).get("seed", sample.index)
     if config.seed is not None:  # one stream per prompt: the loop seeds by episode, and each call runs one
         config = config.replace(seed=config.seed * 1_000_003 + int(sample.index or 0))
-    chat = _chat((get(args, "compaction_tokenizer"), get(args, "hf_checkpoint")))
+    tok_key = (get(args, "compaction_tokenizer"), get(args, "hf_checkpoint"))
+    if tok_key == (None, None):
+        raise ValueError("no tokenizer: set --hf-checkpoint, or compaction_tokenizer (a function returning one)")
+    chat = _chat(tok_key)
     try:
         [rollout] = await arun_episodes(_engine(args, sampling_params), [env], chat.tokenizer, config,
                                         seeds=[seed], chat=chat)

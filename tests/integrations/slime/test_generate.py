@@ -123,6 +123,12 @@ def test_abort_and_errors():
         asyncio.run(generate(argparse.Namespace(), Sample(index=1), {}))
     with pytest.raises(ValueError, match="compaction_rollout"):
         asyncio.run(run([], "stop", budget=-3))
+    no_tok = _args(1, "make_two_step_env")
+    no_tok.compaction_tokenizer = None
+    with pytest.raises(ValueError, match="no tokenizer"):
+        asyncio.run(generate(no_tok, Sample(index=1), {}))
+    with pytest.raises(ValueError, match="compaction_env=.*cannot be loaded"):
+        asyncio.run(generate(_args(1, "no_such_factory"), Sample(index=1), {}))
 
 
 class ModelServer:

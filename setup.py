@@ -128,7 +128,7 @@ def extension():
 setup(
     packages=["compactionrl_fast", "compactionrl_fast.kernels"]
     + [f"compactionrl_fast.{p}" for p in ("ops", "reference", "rollout", "rollout.engines", "envs", "train",
-                                          "integrations", "integrations.slime") if os.path.isdir(os.path.join(here, "compactionrl_fast", *p.split(".")))],
+                                          "integrations", "integrations.slime", "app") if os.path.isdir(os.path.join(here, "compactionrl_fast", *p.split(".")))],
     package_dir={"compactionrl_fast": "compactionrl_fast", "compactionrl_fast.kernels": "kernels"},
     ext_modules=[extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},

@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from compactionrl_fast._git import git_revision
+from compactionrl_fast.app._git import git_revision
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -25,7 +25,7 @@ import torch
 
 from compactionrl_fast.envs import MemoryEnv, memory_config, memory_tokenizer, tiny_llama
 from compactionrl_fast.rollout import TransformersEngine, run_rollouts
-from compactionrl_fast.rollout.bench import _sft
+from compactionrl_fast.app.bench_rollout import _sft
 from compactionrl_fast.rollout.episodes import run_episodes
 
 
@@ -107,7 +107,7 @@ def main(argv=None):
         for b in args.batch:
             out({"engine": "transformers (in-process, lockstep)", **timed(run_rollouts, eng, tok, cfg, b, args.repeats)})
     if "vllm" in args.engines:
-        from compactionrl_fast.rollout.bench import _vllm_engine
+        from compactionrl_fast.app.bench_rollout import _vllm_engine
 
         eng, start = _vllm_engine(model, args.kv_cache_gib)
         ms = sync_ms(eng, model)

@@ -8,7 +8,7 @@ step, and none; "uniform:1.0": uniform in [0, 1] s per step); and the cost of a 
 import time, tempfile, os, json, statistics, torch, subprocess
 from compactionrl_fast.envs import MemoryEnv, memory_config, memory_tokenizer, tiny_llama
 from compactionrl_fast.rollout import run_rollouts, servers
-from compactionrl_fast.rollout.bench import _sft
+from compactionrl_fast.app.bench_rollout import _sft
 from compactionrl_fast.rollout.engines.server_engine import ServerEngine
 from compactionrl_fast.rollout.episodes import run_episodes
 import sys; sys.path.insert(0, "benchmarks")

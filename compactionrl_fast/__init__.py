@@ -25,7 +25,7 @@ _LAZY = {
     "MemoryEnv": "envs", "ScriptedExpert": "envs", "expert_rollouts": "envs", "memory_config": "envs",
     "memory_tokenizer": "envs",
 }
-_SUBMODULES = ("packing", "rollout", "envs", "train", "integrations", "reference", "demo", "cli")
+_SUBMODULES = ("packing", "rollout", "envs", "train", "integrations", "reference", "app")
 
 __all__ = ["segment_gae", "segment_params", "place_final_rewards", "available_backends", "output_cache", "__version__"]
 __all__ += ["linear_logprobs", "linear_logprobs_loss"]

@@ -1,4 +1,4 @@
 """`python -m compactionrl_fast {demo,train,plot,bench}`."""
-from .cli import main
+from .app.cli import main
 
 raise SystemExit(main())

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from compactionrl_fast import ablations
+from compactionrl_fast.app import ablations
 
 from .train._tiny import tiny_train_config
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from compactionrl_fast import cli
+from compactionrl_fast.app import cli
 from compactionrl_fast.train.config import HELP, TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,7 +86,7 @@ def test_unknown_command_lists_commands(capsys):
 
 
 def test_demo_writes_under_run_dir_and_record_writes_results_only(tmp_path, monkeypatch):
-    from compactionrl_fast import demo
+    from compactionrl_fast.app import demo
 
     from .train._tiny import tiny_train_config
 
@@ -110,9 +110,9 @@ def test_demo_writes_under_run_dir_and_record_writes_results_only(tmp_path, monk
 
 
 def test_record_needs_a_checkout_with_results_folder(tmp_path, monkeypatch):
-    from compactionrl_fast import demo
+    from compactionrl_fast.app import demo
 
-    monkeypatch.setattr(demo, "__file__", str(tmp_path / "pkg" / "demo.py"))  # no benchmarks/results/ there
+    monkeypatch.setattr(demo, "__file__", str(tmp_path / "pkg" / "app" / "demo.py"))  # no benchmarks/results/ there
     with pytest.raises(ValueError, match="source checkout"):
         demo._checkout_root()
 

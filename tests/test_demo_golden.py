@@ -76,7 +76,7 @@ def tolerance(path: str) -> float:
 
 def run_mini(run_dir: str, threads: int = 1, extra=()) -> dict:
     """Run the miniature through the CLI into `run_dir`; return its metrics (see `collect`)."""
-    from compactionrl_fast import cli
+    from compactionrl_fast.app import cli
 
     assert cli.main(["demo", "--run-dir", run_dir, "--threads", str(threads), *MINI_ARGS, *extra]) == 0
     return collect(run_dir)
@@ -180,7 +180,7 @@ def main(argv) -> int:
         for kind, (p, g, w, r) in sorted(worst.items(), key=lambda kv: -kv[1][3]):
             print(f"  {r:9.2e} ({tolerance(p):.0e}){'  OVER' if r > tolerance(p) else ''}  {p}: {g!r} vs {w!r}")
         return int(any(r > tolerance(p) for p, _, _, r in diffs))
-    from compactionrl_fast.demo import versions
+    from compactionrl_fast.app.results import versions
 
     v = versions()
     os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)

@@ -14,7 +14,8 @@ import math
 import os
 import time
 
-from .train.config import TrainConfig, to_dict, update
+from ..train.config import TrainConfig
+from ..train.config_load import to_dict, update
 
 # name -> (what it tests, config overrides)
 VARIANTS = {
@@ -49,9 +50,9 @@ def run(base: TrainConfig, *, seeds=(0, 1, 2), variants=tuple(VARIANTS), name="a
     """Every variant on every seed; returns the results dict written to RUN_DIR/NAME.json. The jobs (the SFT
     of every seed, then every variant's RL run) run `workers` at a time as in the demo (`demo.run`)."""
     from . import demo
-    from .demo_results import machine, versions
-    from .train.plots import plot_run
-    from .train.threads import make_tuner
+    from .results import machine, versions
+    from .plots import plot_run
+    from ..train.threads import make_tuner
 
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -140,7 +141,7 @@ def curves(results: dict, run_dir: str, path: str) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from .train.plots import read_metrics, step_axis
+    from .plots import read_metrics, step_axis
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.14, top=0.84, wspace=0.22)

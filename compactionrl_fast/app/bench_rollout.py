@@ -1,7 +1,7 @@
 """Rollout throughput of an engine on the built-in memory task (the demo's model size by default, docs/demo.md).
 
-    python -m compactionrl_fast.rollout.bench --threads 1 --expert-warmup 300 --repeats 5
-    python -m compactionrl_fast.rollout.bench --threads 1 --expert-warmup 300 --engines transformers vllm --batch 64 256
+    python -m compactionrl_fast.app.bench_rollout --threads 1 --expert-warmup 300 --repeats 5
+    python -m compactionrl_fast.app.bench_rollout --threads 1 --expert-warmup 300 --engines transformers vllm --batch 64 256
 
 Prints rollouts/s and tokens/s (generated tokens, and packed tokens without / with prefix sharing) as
 one JSON line per engine and batch size (vLLM rows add its start time and the cost of a weight sync). A random model writes long, junk responses; --expert-warmup N first fits the model to N steps of
@@ -48,7 +48,7 @@ def _vllm_engine(model, kv_cache_gib):
     """A VLLMEngine started from `model` (saved to a temporary folder); (engine, start seconds)."""
     import tempfile
 
-    from .engines import VLLMEngine
+    from ..rollout.engines import VLLMEngine
 
     with tempfile.TemporaryDirectory(prefix="crf-bench-vllm-") as folder:
         model.save_pretrained(folder)
@@ -61,8 +61,8 @@ def _vllm_engine(model, kv_cache_gib):
 def main(argv=None):
     from ..envs import MemoryEnv, memory_config, memory_tokenizer, tiny_llama
     from ..packing import pack
-    from .engines import TransformersEngine
-    from .loop import run_rollouts
+    from ..rollout.engines import TransformersEngine
+    from ..rollout.loop import run_rollouts
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[64], help="rollouts per batch (several: one row each)")

@@ -22,7 +22,7 @@ import sys
 
 
 def _config_parser(prog, description, base):
-    from .train.config import add_arguments
+    from ..train.config_load import add_arguments
 
     p = argparse.ArgumentParser(prog=prog, description=description,
                                 epilog="Every config key, nested ones included: --help-config (or docs/config.md). "
@@ -47,8 +47,9 @@ def _workers_arg(v: str):
 
 
 def _demo(argv):
+    from ..train.config_load import from_args
     from . import demo
-    from .train.config import demo_config, from_args
+    from .demo import demo_config
 
     p = _config_parser("compactionrl-fast demo", demo.__doc__.split("\n\n")[0], demo_config())
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of the full method (default: 0)")
@@ -78,8 +79,9 @@ def _demo(argv):
 
 
 def _ablations(argv):
+    from ..train.config_load import from_args
     from . import ablations
-    from .train.config import demo_config, from_args
+    from .demo import demo_config
 
     p = _config_parser("compactionrl-fast ablations", ablations.__doc__.split("\n\n")[0], demo_config())
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of every variant (default: 0 1 2)")
@@ -101,8 +103,9 @@ def _ablations(argv):
 
 
 def _train(argv):
+    from ..train.config import TrainConfig
+    from ..train.config_load import from_args
     from . import runner
-    from .train.config import TrainConfig, from_args
 
     p = _config_parser("compactionrl-fast train", "SFT (when sft.steps > 0), value pre-training, then PPO with "
                        "compaction on the built-in memory task. Defaults: the paper's recipe.", TrainConfig())
@@ -117,7 +120,7 @@ def _train(argv):
 
 
 def _plot(argv):
-    from .train.plots import plot_run
+    from .plots import plot_run
 
     p = argparse.ArgumentParser(prog="compactionrl-fast plot", description="render a run's metrics.jsonl to PNG "
                                 "(an RL run: one figure per topic; an SFT run: loss, gradient norm, lr)")
@@ -131,7 +134,7 @@ def _plot(argv):
 
 def _bench(argv):
     # benchmarks/ is a folder of the source checkout, not part of the installed package
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if not os.path.isfile(os.path.join(root, "benchmarks", "__main__.py")):
         print("compactionrl-fast bench: the benchmarks are not installed with the package. Run them from a source "
               "checkout: `git clone ... && cd compactionrl-fast && make bench` (or `python -m benchmarks --help`).",
@@ -166,8 +169,9 @@ def _type_name(f) -> str:
 def config_rows(base=None) -> list:
     """(key, type, default, demo default, meaning) for every config key: TrainConfig, model.*, sft.*, and
     the env.* / rollout.* keys of the built-in task (defaults from MemoryEnv and memory_config())."""
-    from .envs.memory import MemoryEnv, memory_config
-    from .train.config import ENV_HELP, HELP, ROLLOUT_HELP, TrainConfig, demo_config
+    from ..envs.memory import MemoryEnv, memory_config
+    from ..train.config import ENV_HELP, HELP, ROLLOUT_HELP, TrainConfig
+    from .demo import demo_config
 
     paper, demo_cfg = TrainConfig(), demo_config()
     rows = []

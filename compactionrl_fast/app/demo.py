@@ -10,7 +10,7 @@ directory (`runs/demo/` by default). `record=True` (`demo --record`, for maintai
 results to `benchmarks/results/` of the source checkout (the README links them).
 
 The pieces of one run (task, model, SFT, RL, evaluation) are in `runner.py`, the results files in
-`demo_results.py`; this module schedules the jobs.
+`results.py`; this module schedules the jobs.
 """
 from __future__ import annotations
 
@@ -20,13 +20,30 @@ import time
 import torch
 
 from ._git import git_revision
-from .demo_results import machine, print_eval, summary, table, targets_line, versions, write
+from .results import machine, print_eval, summary, table, targets_line, versions, write
 from .runner import bar_position, build, run_eval, run_rl, run_sft, task
-from .runner import packer, summary_recall  # noqa: F401  (demo.packer, demo.summary_recall: tests, benchmarks)
-from .train.config import TrainConfig, to_dict, update
-from .train.engines import make_engine
-from .train.threads import make_tuner
-from .train.trainer import MetricsLog, world
+from ..train.config import SFTConfig, TrainConfig
+from ..train.config_load import to_dict, update
+from ..train.engines import make_engine
+from ..train.threads import make_tuner
+from ..train.dist import world
+from ..train.log import MetricsLog
+
+
+def demo_config(**overrides) -> TrainConfig:
+    """The CPU demo (docs/demo.md): tiny model, SFT warm start on an expert whose summaries
+    drop the oldest digit 60% of the time, then 120 PPO steps of 64 rollouts in 2 actor mini-batches (one pass
+    over each batch for the first 40 updates, three after), adaptive lambda with alpha 4, critic lr 1e-3, actor
+    lr 6e-4 with a cosine decay to 6e-5 (benchmarks/results/demo_recipe_retune.md and demo_margin_5seeds.md: why)."""
+    cfg = TrainConfig(
+        # "auto": 2 threads are ~1.65x faster on the idle 2-core machine, 2-7x slower when it is shared
+        run_dir="runs/demo", threads="auto", rollouts_per_step=64, ppo_minibatches=2, steps=120, value_pretrain_steps=10,
+        actor_lr=6e-4, lr_schedule="cosine", lr_end_ratio=0.1, critic_lr=1e-3, clip_high=0.2, max_grad_norm=1.0,
+        adaptive_alpha=4.0, ppo_epochs=3, ppo_epochs_from=40,
+        micro_batch_tokens=1 << 30, gap_every=10, checkpoint_every=0,
+        sft=SFTConfig(steps=1000, rollouts_per_step=16, lr=2e-3, expert_drop_p=0.6),
+    )
+    return update(cfg, overrides)
 
 
 def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512, out_dir=None,
@@ -40,7 +57,7 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
     phase in that many processes at once (each with cores // workers torch threads unless cfg.threads is a
     number); "auto": one per core on CPU with the embedded engine, else 1. A job's numbers do not depend on
     where it runs, only (by rounding) on its thread count."""
-    from .train.plots import plot_run
+    from .plots import plot_run
 
     out_dir = out_dir or cfg.run_dir
     progress = cfg.progress if progress is None else progress
@@ -193,7 +210,7 @@ def _shared_engine(cfg: TrainConfig, tok):
     built on each actor."""
     if cfg.engine not in ("vllm", "server"):
         return None
-    from .train.engines import describe
+    from ..train.engines import describe
 
     engine = make_engine(cfg, build(cfg, tok), tok)
     if describe(engine):
@@ -203,7 +220,7 @@ def _shared_engine(cfg: TrainConfig, tok):
 
 def _phase_times(run_dir: str) -> dict:
     """Seconds an RL run spent in rollouts, training and weight sync (from its metrics.jsonl)."""
-    from .train.trainer import read_rows
+    from ..train.log import read_rows
 
     rows = read_rows(os.path.join(run_dir, "metrics.jsonl"))
     return {k: sum(r.get("time/" + k + "_s", 0.0) for r in rows) for k in ("rollout", "train", "weight_sync")}
@@ -211,7 +228,7 @@ def _phase_times(run_dir: str) -> dict:
 
 def _checkout_root() -> str:
     """The source checkout holding this package (with benchmarks/results/), at a committed revision."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if not os.path.isdir(os.path.join(root, "benchmarks", "results")):
         raise ValueError(f"--record needs a source checkout (an editable install): no benchmarks/results/ under {root}")
     rev = git_revision(root)

@@ -12,7 +12,7 @@ import platform
 
 import torch
 
-from . import _io
+from ..train import atomic
 from ._git import git_revision
 
 # the demo's targets (docs/demo.md): SFT greedy at most SFT_GREEDY_MAX, CompactionRL at T=1 at least FULL_MIN
@@ -143,7 +143,7 @@ def table(results) -> str:
 
 def markdown(results, name) -> str:
     """NAME.md: the headline (where, when, the per-seed table, the targets, the figure), then the details.
-    A function of the results alone, so `python -m compactionrl_fast.demo_results NAME.json` re-renders it."""
+    A function of the results alone, so `python -m compactionrl_fast.app.results NAME.json` re-renders it."""
     md = [f"# CPU demo ({name})", "", headline(results, name), "", "## Details", "",
           f"Command: `{results['command']}`", "",
           f"Machine: {results['machine']}; total {results['total_time_s'] / 60:.1f} min wall, "
@@ -157,9 +157,9 @@ def markdown(results, name) -> str:
 def write(results, out_dir, name):
     """OUT_DIR/NAME.json, OUT_DIR/NAME.md and OUT_DIR/NAME.png."""
     os.makedirs(out_dir, exist_ok=True)
-    _io.remove_stale_temps(out_dir)
-    _io.write_text(os.path.join(out_dir, name + ".json"), json.dumps(results, indent=1, default=str))
-    _io.write_text(os.path.join(out_dir, name + ".md"), markdown(results, name))
+    atomic.remove_stale_temps(out_dir)
+    atomic.write_text(os.path.join(out_dir, name + ".json"), json.dumps(results, indent=1, default=str))
+    atomic.write_text(os.path.join(out_dir, name + ".md"), markdown(results, name))
     curves(results, os.path.join(out_dir, name + ".png"))
 
 
@@ -171,7 +171,7 @@ def curves(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .train.plots import read_metrics, step_axis
+    from .plots import read_metrics, step_axis
 
     run_dir = results["config"]["run_dir"]
     fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.6))
@@ -208,5 +208,5 @@ if __name__ == "__main__":  # re-render NAME.md next to each NAME.json given (th
         with open(path) as f:
             res = json.load(f)
         stem = os.path.splitext(path)[0]
-        _io.write_text(stem + ".md", markdown(res, os.path.basename(stem)))
+        atomic.write_text(stem + ".md", markdown(res, os.path.basename(stem)))
         print(f"wrote {stem}.md")

@@ -11,13 +11,15 @@ import os
 
 import torch
 
-from . import _io
-from .train import checkpoint
-from .train.config import TrainConfig, dumps
-from .train.engines import make_engine
-from .train.threads import make_tuner, maybe_step
-from .train.trainer import (EVAL_SEED_BASE, MetricsLog, evaluate, fit, load_state, make_state, save_state,
-                            split_rollouts, world)
+from ..train import atomic, checkpoint
+from ..train.config import TrainConfig
+from ..train.config_load import dumps
+from ..train.engines import make_engine
+from ..train.threads import make_tuner, maybe_step
+from ..train.dist import world
+from ..train.log import MetricsLog
+from ..train.loop import EVAL_SEED_BASE, evaluate, fit, split_rollouts
+from ..train.trainer import load_state, make_state, save_state
 
 SFT_SEED_BASE = 2_000_000_000  # demonstrations are seeded apart from RL and evaluation tasks
 
@@ -40,7 +42,7 @@ def task(cfg: TrainConfig):
 
     The task's word tokenizer, or the pretrained model's own (the task is plain words and its chat
     template formats the conversation)."""
-    from .envs.memory import MemoryEnv, memory_config, memory_tokenizer
+    from ..envs.memory import MemoryEnv, memory_config, memory_tokenizer
 
     if cfg.model.pretrained:
         from transformers import AutoTokenizer
@@ -54,8 +56,8 @@ def task(cfg: TrainConfig):
 
 def packer(cfg: TrainConfig):
     """pack() with prefix sharing, the final rewards placed as the trainer reads them (so it reuses them)."""
-    from .packing import pack
-    from .train.layout import reward_mode
+    from ..packing import pack
+    from ..train.layout import reward_mode
 
     mode = reward_mode(cfg)
     return lambda rollouts: pack(rollouts, prefix_sharing=True, reward_mode=mode)
@@ -63,7 +65,7 @@ def packer(cfg: TrainConfig):
 
 def build(cfg: TrainConfig, tok, device="cpu"):
     """A fresh actor for the tokenizer (seeded by cfg.seed), or the pretrained one of cfg.model."""
-    from .train.model import build_actor
+    from ..train.model import build_actor
 
     torch.manual_seed(cfg.seed)
     return build_actor(cfg.model, len(tok), device=device, pad_token_id=tok.pad_token_id,
@@ -72,9 +74,9 @@ def build(cfg: TrainConfig, tok, device="cpu"):
 
 def run_sft(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, log=None, progress=True, tuner=None):
     """Supervised warm start on fresh expert demonstrations every step."""
-    from .envs.memory import ScriptedExpert
-    from .rollout.loop import run_rollouts
-    from .train import sft
+    from ..envs.memory import ScriptedExpert
+    from ..rollout.loop import run_rollouts
+    from ..train import sft
 
     s = cfg.sft
     rank, ws = world()
@@ -103,7 +105,7 @@ def run_sft(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, log=None, progress
 def run_rl(cfg: TrainConfig, actor, tok, make_envs, rcfg, *, progress=True, resume=False, tuner=None, engine=None):
     """Critic from the actor, value pre-training, PPO. Returns the trained State. `engine`: the rollout
     engine (default: `make_engine(cfg, actor, tok)`); `fit` syncs one that does not share the actor."""
-    from .train.model import critic_from_actor
+    from ..train.model import critic_from_actor
 
     critic = critic_from_actor(actor)
     state = make_state(cfg, actor, critic)
@@ -127,8 +129,8 @@ def run_eval(actor, tok, make_envs, rcfg, n: int, temperature: float, *, progres
              engine=None) -> dict:
     """Success on `n` held-out tasks, sampled at `temperature` and greedy (with a progress bar), on `engine`
     (given the actor's weights first) or the embedded engine on the actor."""
-    from .rollout.engines.transformers_engine import TransformersEngine
-    from .train.sync import push_weights
+    from ..rollout.engines.transformers_engine import TransformersEngine
+    from ..train.sync import push_weights
 
     if engine is None:
         engine = TransformersEngine(actor, pad_token_id=tok.pad_token_id)
@@ -169,7 +171,7 @@ def _counting(make_envs, bar):
 
 def summary_recall(rollouts) -> float | None:
     """Fraction of summaries that hold every digit revealed before them (the skill RL has to learn)."""
-    from .envs.memory import summary_correct
+    from ..envs.memory import summary_correct
 
     flags = [ok for r in rollouts for ok in summary_correct(r)]
     return sum(flags) / len(flags) if flags else None
@@ -199,8 +201,8 @@ def train(cfg: TrainConfig, *, resume: bool = True):
     actor = build(cfg, tok, device)  # same seed on every rank: identical initial weights
     if rank == 0:
         os.makedirs(cfg.run_dir, exist_ok=True)
-        _io.remove_stale_temps(cfg.run_dir)  # left by a run killed mid-write
-        _io.write_text(os.path.join(cfg.run_dir, "config.json"), dumps(cfg))
+        atomic.remove_stale_temps(cfg.run_dir)  # left by a run killed mid-write
+        atomic.write_text(os.path.join(cfg.run_dir, "config.json"), dumps(cfg))
     sft_path = os.path.join(cfg.run_dir, "sft_actor.pt")
     has_ckpt = resume and checkpoint.exists(cfg.run_dir)
     if cfg.sft.steps > 0 and not has_ckpt:
@@ -213,12 +215,12 @@ def train(cfg: TrainConfig, *, resume: bool = True):
                 checkpoint.save_state_dict(actor.state_dict(), sft_path)
     state = run_rl(cfg, actor, tok, make_envs, rcfg, progress=cfg.progress, resume=resume, tuner=tuner)
     if rank == 0:
-        from .train.plots import plot_run
+        from .plots import plot_run
 
         plot_run(cfg.run_dir)
         if os.path.isfile(os.path.join(cfg.run_dir, "sft", "metrics.jsonl")):
             plot_run(os.path.join(cfg.run_dir, "sft"))
-        with _io.atomic_dir(os.path.join(cfg.run_dir, "actor")) as tmp:
+        with atomic.atomic_dir(os.path.join(cfg.run_dir, "actor")) as tmp:
             actor.save_pretrained(tmp)
             tok.save_pretrained(tmp)
     return state

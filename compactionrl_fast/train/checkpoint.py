@@ -17,7 +17,7 @@ import random
 import numpy as np
 import torch
 
-from .. import _io
+from . import atomic
 
 NAME = "checkpoint.pt"
 FORMAT = 2  # 1: pickled (weights_only=False), no checksum
@@ -102,7 +102,7 @@ def checksum(obj) -> str:
 
 def write(path: str, data: dict) -> str:
     """Save dict `data` (plain data and tensors) to `path` atomically, with its checksum."""
-    return _io.torch_save({"format": FORMAT, "data": data, "sha256": checksum(data)}, path)
+    return atomic.torch_save({"format": FORMAT, "data": data, "sha256": checksum(data)}, path)
 
 
 def read(path: str) -> dict:

@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from . import checks as c
+from .config import TrainConfig, problems
 
 
 def to_dict(cfg) -> dict:
@@ -80,8 +81,6 @@ def update(cfg, values: dict):
     """Return a copy of dataclass `cfg` with `values` applied; keys may be dotted ("sft.lr").
 
     Raises ConfigError (a ValueError) listing every unknown key and every bad field at once."""
-    from .config import problems
-
     found = []
     out = _apply(cfg, values, found)
     c.raise_problems(found + problems(out))
@@ -114,8 +113,6 @@ def add_arguments(parser: argparse.ArgumentParser, base) -> None:
 
 def from_args(args: argparse.Namespace, base):
     """Defaults < YAML file < flags < --set, validated once at the end (ConfigError lists every bad field)."""
-    from .config import problems
-
     found = []
     cfg = base
     if getattr(args, "config", None):
@@ -139,8 +136,6 @@ def dumps(cfg) -> str:
 
 
 def from_dict(data: dict, base: Any = None):
-    from .config import TrainConfig
-
     return update(base if base is not None else TrainConfig(), data)
 
 def _metavar(f, default) -> str:

@@ -5,8 +5,7 @@ import json
 import math
 import os
 
-from .. import _io
-from . import diagnostics, dist
+from . import atomic, diagnostics, dist
 
 
 def rollout_metrics(rollouts: list, prefix: str = "") -> dict:
@@ -50,11 +49,11 @@ class MetricsLog:
         if self.rank != 0:
             return
         os.makedirs(run_dir, exist_ok=True)
-        _io.remove_stale_temps(run_dir)  # temporary files of a run killed mid-write
+        atomic.remove_stale_temps(run_dir)  # temporary files of a run killed mid-write
         if resume_step is not None and os.path.isfile(self.path):
             # drop rows logged after the checkpoint (those steps are redone) and a line cut by a kill
             rows = [json.dumps(r) + "\n" for r in read_rows(self.path) if r.get("step", -1) < resume_step]
-            _io.write_text(self.path, "".join(rows))
+            atomic.write_text(self.path, "".join(rows))
         elif os.path.isfile(self.path):
             os.remove(self.path)
         if tensorboard:
@@ -78,7 +77,7 @@ class MetricsLog:
                 os.fsync(f.fileno())
             except OSError as e:
                 f.truncate(size)  # no partial line left behind
-                if _io.is_no_space(e):
+                if atomic.is_no_space(e):
                     raise OSError(e.errno, f"no space left on device while writing {self.path}") from e
                 raise
         if self.tb is not None:

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from . import checkpoint, diagnostics
-from .config import TrainConfig, to_dict, validate
+from .config import TrainConfig, validate
+from .config_load import to_dict
 from .dist import all_reduce_grads
 from .layout import Denominators, as_micro_batches
 from .model import actor_logprobs, critic_hidden
@@ -272,18 +273,3 @@ def _actor_update(state, mbs, adv, old, den, gaps) -> tuple:
         losses.append(loss.detach())
         rows.append((met, m.n_policy))
     return rows, losses, optim_step(actor.parameters(), state.opt_actor, cfg.max_grad_norm, group)
-
-
-_MOVED = {"loop": ("EVAL_SEED_BASE", "evaluate", "fit", "micro_batches", "split_rollouts", "train_seeds"),
-          "log": ("MetricsLog", "read_rows", "rollout_metrics"),
-          "dist": ("world", "global_max", "global_sum")}
-
-
-def __getattr__(name):
-    """The loop's names for callers that import them from here (the loop moved to train/loop.py)."""
-    import importlib
-
-    for mod, names in _MOVED.items():
-        if name in names:
-            return getattr(importlib.import_module(f"{__package__}.{mod}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

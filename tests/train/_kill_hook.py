@@ -1,7 +1,7 @@
 """The fault test's kill switch, installed in the trainer process it starts (never in production code).
 
-`install(at)` makes the at-th atomic write of this process (an int, 1-based: `_io.atomic_write` and
-`_io.atomic_dir` calls, counted when their content is written), or the first write of a file or directory
+`install(at)` makes the at-th atomic write of this process (an int, 1-based: `atomic.atomic_write` and
+`atomic.atomic_dir` calls, counted when their content is written), or the first write of a file or directory
 named `at` (a str), SIGKILL the process half-way through: a file is cut to half its bytes and synced, a
 directory is left filled under its temporary name, so the next start finds a real partial write.
 """
@@ -11,12 +11,12 @@ import contextlib
 import os
 import signal
 
-from compactionrl_fast import _io
+from compactionrl_fast.train import atomic
 
 
 def install(at) -> None:
     writes = [0]
-    atomic_write, atomic_dir = _io.atomic_write, _io.atomic_dir
+    atomic_write, atomic_dir = atomic.atomic_write, atomic.atomic_dir
 
     def due(path) -> bool:
         writes[0] += 1
@@ -43,4 +43,4 @@ def install(at) -> None:
             if due(path):
                 kill()
 
-    _io.atomic_write, _io.atomic_dir = write_then_maybe_kill, dir_then_maybe_kill
+    atomic.atomic_write, atomic.atomic_dir = write_then_maybe_kill, dir_then_maybe_kill

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import torch
 
-from compactionrl_fast import demo
+from compactionrl_fast.app import runner
 from compactionrl_fast.rollout.engines.transformers_engine import TransformersEngine
 from compactionrl_fast.train import checkpoint
 from compactionrl_fast.train.model import critic_from_actor
@@ -19,13 +19,13 @@ from ._tiny import tiny_train_config
 
 
 def _run(cfg, resume_from=None):
-    tok, make_envs, rcfg = demo.task(cfg)
-    actor = demo.build(cfg, tok)
+    tok, make_envs, rcfg = runner.task(cfg)
+    actor = runner.build(cfg, tok)
     state = make_state(cfg, actor, critic_from_actor(actor))
     if resume_from is not None:
         load_state(state, resume_from)
     engine = TransformersEngine(actor, pad_token_id=tok.pad_token_id)
-    fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=demo.packer(cfg),
+    fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=runner.packer(cfg),
         run_dir=cfg.run_dir)
     return state
 

@@ -4,8 +4,9 @@ import re
 
 import pytest
 
-from compactionrl_fast.train.config import (ConfigError, ModelConfig, SFTConfig, TrainConfig, add_arguments,
-                                            demo_config, from_args, update)
+from compactionrl_fast.app.demo import demo_config
+from compactionrl_fast.train.config import ConfigError, ModelConfig, SFTConfig, TrainConfig
+from compactionrl_fast.train.config_load import add_arguments, from_args, update
 
 
 def test_paper_defaults():
@@ -105,7 +106,7 @@ def test_good_values_parse():
 
 
 def test_bad_config_fails_before_any_training(tmp_path):
-    from compactionrl_fast import cli
+    from compactionrl_fast.app import cli
 
     run = tmp_path / "run"
     with pytest.raises(ConfigError, match="steps='abc'"):

@@ -19,8 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # argv[2] = k kills at the k-th atomic write of the process, NAME at the first write of NAME
 DRIVER = """
 import sys
-import compactionrl_fast.train.plots as plots
-from compactionrl_fast import runner
+from compactionrl_fast.app import plots, runner
 from tests.train._tiny import tiny_train_config
 if len(sys.argv) > 2:
     from tests.train._kill_hook import install

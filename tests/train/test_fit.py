@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from compactionrl_fast import demo
+from compactionrl_fast.app import runner
 from compactionrl_fast.rollout import loop
 from compactionrl_fast.rollout.engines.transformers_engine import TransformersEngine
 from compactionrl_fast.train import dist, log as train_log, loop as train_loop, trainer
@@ -51,8 +51,8 @@ def _run_fit(tmp):
     checkpoints."""
     cfg = tiny_train_config(tmp / "run", steps=3, log_every=2, eval_every=3, checkpoint_every=2, gap_every=2, seed=7,
                             group_size=2, temperature=0.9, rollouts_per_step=2, ppo_minibatches=2)
-    tok, make_envs, rcfg = demo.task(cfg)
-    actor = demo.build(cfg, tok)
+    tok, make_envs, rcfg = runner.task(cfg)
+    actor = runner.build(cfg, tok)
     state = make_state(cfg, actor, critic_from_actor(actor))
     engine = TransformersEngine(actor, pad_token_id=tok.pad_token_id)
     rec = dict(calls=[], actor=[copy.deepcopy(actor.state_dict())], rollouts=[], evals=[], saves=[], steps=[])
@@ -86,7 +86,7 @@ def _run_fit(tmp):
     mp.setattr(trainer, "train_step", train_step)
     t0 = time.perf_counter()
     try:
-        out = fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=demo.packer(cfg),
+        out = fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=runner.packer(cfg),
                   run_dir=cfg.run_dir, progress=progress, eval_fn=eval_fn, metrics_fn=metrics_fn, tuner=tuner)
     finally:
         mp.undo()
@@ -175,8 +175,8 @@ def test_fit_refuses_a_batch_the_world_does_not_divide(tmp_path, monkeypatch):
 
 
 def _models(cfg):
-    tok, _, _ = demo.task(cfg)
-    actor = demo.build(cfg, tok)
+    tok, _, _ = runner.task(cfg)
+    actor = runner.build(cfg, tok)
     return actor, critic_from_actor(actor)
 
 
@@ -194,8 +194,8 @@ def test_metrics_log_resume_keeps_rows_before_the_step(tmp_path):
 
 def test_evaluate_runs_held_out_seeds_greedy(tmp_path, monkeypatch):
     cfg = tiny_train_config(tmp_path)
-    tok, make_envs, rcfg = demo.task(cfg)
-    actor = demo.build(cfg, tok)
+    tok, make_envs, rcfg = runner.task(cfg)
+    actor = runner.build(cfg, tok)
     engine = TransformersEngine(actor, pad_token_id=tok.pad_token_id)
     calls = []
     real = loop.run_rollouts
@@ -293,8 +293,8 @@ def test_fit_on_rank_1_of_2_averages_rollout_metrics(tmp_path, monkeypatch):
     # the faked other rank's gap is this one's + 1 (see _FakeWorld): the guard is tested elsewhere
     cfg = tiny_train_config(tmp_path / "run", steps=1, value_pretrain_steps=1, rollouts_per_step=2, seed=3,
                             sampler_logp_tol=None)
-    tok, make_envs, rcfg = demo.task(cfg)
-    actor = demo.build(cfg, tok)
+    tok, make_envs, rcfg = runner.task(cfg)
+    actor = runner.build(cfg, tok)
     state = make_state(cfg, actor, critic_from_actor(actor), group="g")
     engine = TransformersEngine(actor, pad_token_id=tok.pad_token_id)
     calls, rollouts, rows = [], [], []
@@ -310,7 +310,7 @@ def test_fit_on_rank_1_of_2_averages_rollout_metrics(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loop, "run_rollouts", run_rollouts)
     w = _FakeWorld(monkeypatch, rank=1)
-    fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=demo.packer(cfg),
+    fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=runner.packer(cfg),
         run_dir=cfg.run_dir, log=Log(), metrics_fn=lambda r: rollouts.append(r) or {}, chat="chat")
     assert [c[0] for c in calls] == [train_loop.train_seeds(cfg, it, 1, 1) for it in range(2)]
     assert [c[1:] for c in calls] == [((3 * 100_003 + it) * 1009 + 1, 1, "chat") for it in range(2)]

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from compactionrl_fast import _io
-from compactionrl_fast.train import checkpoint
+from compactionrl_fast.train import atomic, checkpoint
 from compactionrl_fast.train.checkpoint import CorruptCheckpointError
 
 from ._tiny import tiny_models
@@ -33,16 +32,16 @@ def _save_tiny(run_dir, step=3, extra=None):
 
 def test_atomic_write_keeps_the_old_file_on_error(tmp_path):
     p = tmp_path / "f.txt"
-    _io.write_text(p, "old")
+    atomic.write_text(p, "old")
 
     def boom(f):
         f.write("half of the new")
         raise KeyError("writer failed")
 
     with pytest.raises(KeyError):
-        _io.atomic_write(p, boom, text=True)
+        atomic.atomic_write(p, boom, text=True)
     assert p.read_text() == "old" and _files(tmp_path) == ["f.txt"]
-    _io.write_text(p, "new")
+    atomic.write_text(p, "new")
     assert p.read_text() == "new" and _files(tmp_path) == ["f.txt"]
 
 
@@ -65,7 +64,7 @@ def test_full_disk_is_a_clear_error_and_leaves_no_partial_file(tmp_path, monkeyp
     assert _files(tmp_path) == ["checkpoint.pt"] and open(path, "rb").read() == good  # old checkpoint intact
     monkeypatch.undo()
     with pytest.raises(OSError, match="no space left on device while writing .*config.json"):
-        _io.atomic_write(tmp_path / "config.json", lambda f: (f.write("{"), _raise(error)), text=True)
+        atomic.atomic_write(tmp_path / "config.json", lambda f: (f.write("{"), _raise(error)), text=True)
     assert _files(tmp_path) == ["checkpoint.pt"]
 
 
@@ -81,7 +80,7 @@ def test_read_only_directory_names_the_target(tmp_path):
     d.chmod(0o500)
     try:
         with pytest.raises(OSError, match=f"cannot write {d / 'config.json'}"):
-            _io.write_text(d / "config.json", "{}")
+            atomic.write_text(d / "config.json", "{}")
     finally:
         d.chmod(0o700)
 
@@ -95,21 +94,21 @@ def test_stale_temporary_files_of_dead_writers_are_removed(tmp_path):
     live = f".metrics.jsonl.tmp-{os.getpid()}"  # a writer that is still running: left alone
     (tmp_path / live).write_text("x")
     (tmp_path / "checkpoint.pt").write_bytes(b"keep")
-    removed = _io.remove_stale_temps(str(tmp_path))
+    removed = atomic.remove_stale_temps(str(tmp_path))
     assert sorted(os.path.basename(p) for p in removed) == sorted(stale)
     assert _files(tmp_path) == sorted([live, "checkpoint.pt"])
 
 
 def test_atomic_dir_swaps_whole_directories(tmp_path):
     d = tmp_path / "actor"
-    with _io.atomic_dir(d) as t:
+    with atomic.atomic_dir(d) as t:
         open(os.path.join(t, "a"), "w").write("1")
     with pytest.raises(ValueError):
-        with _io.atomic_dir(d) as t:
+        with atomic.atomic_dir(d) as t:
             open(os.path.join(t, "a"), "w").write("2")
             raise ValueError("save_pretrained failed")
     assert _files(d) == ["a"] and (d / "a").read_text() == "1" and _files(tmp_path) == ["actor"]
-    with _io.atomic_dir(d) as t:
+    with atomic.atomic_dir(d) as t:
         open(os.path.join(t, "b"), "w").write("3")
     assert _files(d) == ["b"] and _files(tmp_path) == ["actor"]
 

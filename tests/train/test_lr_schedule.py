@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from compactionrl_fast import demo
+from compactionrl_fast.app import runner
 from compactionrl_fast.train import log
 from compactionrl_fast.train.config import ConfigError, TrainConfig
 from compactionrl_fast.train.model import critic_from_actor
@@ -44,9 +44,9 @@ def _fit_lrs(tmp, steps, state=None, **kw):
     """Run fit (1 value pre-training step, 2 actor mini-batches); return (state, [(actor lr, critic lr) at every
     actor optimiser step], [critic lr at every critic optimiser step])."""
     cfg = tiny_train_config(tmp / "run", steps=steps, rollouts_per_step=4, ppo_minibatches=2, **kw)
-    tok, make_envs, rcfg = demo.task(cfg)
+    tok, make_envs, rcfg = runner.task(cfg)
     if state is None:
-        actor = demo.build(cfg, tok)
+        actor = runner.build(cfg, tok)
         state = make_state(cfg, actor, critic_from_actor(actor))
     else:
         state.cfg = cfg
@@ -60,7 +60,7 @@ def _fit_lrs(tmp, steps, state=None, **kw):
                                              real_c(*a, **k))[1]
     try:
         fit(state, engine=TransformersEngine(state.actor, pad_token_id=tok.pad_token_id), make_envs=make_envs,
-            tokenizer=tok, rollout_cfg=rcfg, pack=demo.packer(cfg), run_dir=cfg.run_dir)
+            tokenizer=tok, rollout_cfg=rcfg, pack=runner.packer(cfg), run_dir=cfg.run_dir)
     finally:
         state.opt_actor.step, state.opt_critic.step = real_a, real_c
     return state, seen_actor, seen_critic

@@ -5,9 +5,10 @@ import pytest
 
 pytest.importorskip("httpx")
 
-from compactionrl_fast import demo  # noqa: E402
+from compactionrl_fast.app import runner  # noqa: E402
 from compactionrl_fast.rollout import servers  # noqa: E402
-from compactionrl_fast.train.config import ConfigError, update  # noqa: E402
+from compactionrl_fast.train.config import ConfigError  # noqa: E402
+from compactionrl_fast.train.config_load import update  # noqa: E402
 from compactionrl_fast.train.engines import make_engine  # noqa: E402
 from compactionrl_fast.train.model import critic_from_actor  # noqa: E402
 from compactionrl_fast.train.sync import SamplerMismatchError, check_sampler  # noqa: E402
@@ -34,8 +35,8 @@ def test_config_validation(tmp_path):
 
 
 def _fit(cfg, engine):
-    tok, make_envs, rcfg = demo.task(cfg)
-    actor = demo.build(cfg, tok)
+    tok, make_envs, rcfg = runner.task(cfg)
+    actor = runner.build(cfg, tok)
     state = make_state(cfg, actor, critic_from_actor(actor))
     rows = []
 
@@ -43,7 +44,7 @@ def _fit(cfg, engine):
         def log(self, step, metrics):
             rows.append(dict(metrics))
 
-    fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=demo.packer(cfg),
+    fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=runner.packer(cfg),
         run_dir=cfg.run_dir, log=Log())
     return rows, actor
 
@@ -60,8 +61,8 @@ def test_fit_with_the_server_engine(tmp_path, monkeypatch, source):
     # the fake servers' log-probs are not the actor's: the guard is off here (tests/vllm checks it for real)
     cfg = update(tiny_train_config(tmp_path / "run", steps=2, value_pretrain_steps=1),
                  {"engine": "server", "sampler_logp_tol": None, **over})
-    tok, _, _ = demo.task(cfg)
-    engine = make_engine(cfg, demo.build(cfg, tok), tok)
+    tok, _, _ = runner.task(cfg)
+    engine = make_engine(cfg, runner.build(cfg, tok), tok)
     try:
         assert engine.async_episodes and len(engine.urls) == 2
         rows, _ = _fit(cfg, engine)
@@ -85,8 +86,8 @@ def test_fit_with_the_server_engine(tmp_path, monkeypatch, source):
 def test_the_guard_names_each_replica(tmp_path):
     a, b = FakeServer(), FakeServer()
     cfg = tiny_train_config(tmp_path / "run")
-    tok, _, _ = demo.task(cfg)
-    actor = demo.build(cfg, tok)
+    tok, _, _ = runner.task(cfg)
+    actor = runner.build(cfg, tok)
     from compactionrl_fast.rollout.engines.server_engine import ServerEngine
 
     eng = ServerEngine([a.url, b.url])

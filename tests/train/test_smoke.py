@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from compactionrl_fast import cli, demo
-from compactionrl_fast.train.config import update
+from compactionrl_fast.app import cli, demo, runner
+from compactionrl_fast.train.config_load import update
 
 from ._tiny import tiny_train_config
 
@@ -48,11 +48,11 @@ def _assert_training_moved_the_state(run):
     import torch
 
     from compactionrl_fast.train import checkpoint
-    from compactionrl_fast.train.config import from_dict
+    from compactionrl_fast.train.config_load import from_dict
 
     cfg = from_dict(json.load(open(os.path.join(run, "config.json"))))
-    tok, _, _ = demo.task(cfg)
-    init = demo.build(cfg, tok).state_dict()
+    tok, _, _ = runner.task(cfg)
+    init = runner.build(cfg, tok).state_dict()
     sft = checkpoint.load_state_dict(os.path.join(run, "sft_actor.pt"))
     final = checkpoint.read(os.path.join(run, "checkpoint.pt"))
     actor = final["models"]["actor"]

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from compactionrl_fast import demo
+from compactionrl_fast.app import runner
 from compactionrl_fast.rollout.engines.transformers_engine import TransformersEngine
 from compactionrl_fast.train import loop as train_loop, sync
 from compactionrl_fast.train.model import critic_from_actor
@@ -33,8 +33,8 @@ class CopyEngine(TransformersEngine):
 
 def _setup(tmp, **kw):
     cfg = tiny_train_config(tmp / "run", **{"steps": 3, "actor_lr": 1e-2, **kw})
-    tok, make_envs, rcfg = demo.task(cfg)
-    actor = demo.build(cfg, tok)
+    tok, make_envs, rcfg = runner.task(cfg)
+    actor = runner.build(cfg, tok)
     state = make_state(cfg, actor, critic_from_actor(actor))
     rows = []
 
@@ -43,7 +43,7 @@ def _setup(tmp, **kw):
             rows.append((step, dict(metrics)))
 
     def run(engine):
-        fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=demo.packer(cfg),
+        fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=runner.packer(cfg),
             run_dir=cfg.run_dir, log=Log())
         return rows
 
@@ -52,7 +52,7 @@ def _setup(tmp, **kw):
 
 def test_fit_syncs_an_engine_with_its_own_weights(tmp_path):
     cfg, tok, actor, run = _setup(tmp_path)
-    stale = demo.build(_reseed(cfg, 5), tok)
+    stale = runner.build(_reseed(cfg, 5), tok)
     engine = CopyEngine(stale, pad_token_id=tok.pad_token_id)  # other weights: the start-of-RL sync fixes them
     rows = run(engine)
     assert engine.loads == 1 + cfg.steps  # at the start, then after every actor update
@@ -65,7 +65,7 @@ def test_fit_syncs_an_engine_with_its_own_weights(tmp_path):
 
 
 def _reseed(cfg, seed):
-    from compactionrl_fast.train.config import update
+    from compactionrl_fast.train.config_load import update
 
     return update(cfg, {"seed": seed})
 
@@ -82,7 +82,7 @@ def test_a_skipped_sync_is_caught(tmp_path, monkeypatch):
 
 def test_a_skipped_first_sync_is_caught_on_a_critic_only_step(tmp_path, monkeypatch):
     cfg, tok, actor, run = _setup(tmp_path)
-    engine = CopyEngine(demo.build(_reseed(cfg, 5), tok), pad_token_id=tok.pad_token_id)
+    engine = CopyEngine(runner.build(_reseed(cfg, 5), tok), pad_token_id=tok.pad_token_id)
     monkeypatch.setattr(train_loop, "push_weights", lambda engine, actor: 0.0)
     with pytest.raises(SamplerMismatchError, match="step 0"):
         run(engine)

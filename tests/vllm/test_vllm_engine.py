@@ -15,7 +15,7 @@ except Exception as e:  # noqa: BLE001 -- not testable here: say why
     pytest.skip(f"vllm is not importable here ({type(e).__name__}: {e}); `make test-vllm` builds its venv",
                 allow_module_level=True)
 
-from compactionrl_fast import demo  # noqa: E402
+from compactionrl_fast.app import runner  # noqa: E402
 from compactionrl_fast.envs import MemoryEnv, memory_config, memory_tokenizer  # noqa: E402
 from compactionrl_fast.rollout import TransformersEngine, VLLMEngine, run_rollouts  # noqa: E402
 from compactionrl_fast.train.config import ModelConfig  # noqa: E402
@@ -102,13 +102,13 @@ def test_fit_with_vllm_syncs_and_a_skipped_sync_is_caught(setup, tmp_path, monke
     from compactionrl_fast.train.sync import SamplerMismatchError
 
     tok, model, eng = setup
-    from compactionrl_fast.train.config import demo_config
+    from compactionrl_fast.app.demo import demo_config
 
     # an untrained model's rollouts end truncated: reward -1 there gives every step a real update
     cfg = demo_config(run_dir=str(tmp_path / "run"), steps=2, value_pretrain_steps=1, rollouts_per_step=8,
                       actor_lr=1e-2, progress=False, threads=0, gap_every=0, rollout={"truncated_reward": -1.0})
     actor = copy.deepcopy(model)
-    tok, make_envs, rcfg = demo.task(cfg)
+    tok, make_envs, rcfg = runner.task(cfg)
     rows = []
 
     class Log:
@@ -117,7 +117,7 @@ def test_fit_with_vllm_syncs_and_a_skipped_sync_is_caught(setup, tmp_path, monke
 
     def fit():
         state = trainer.make_state(cfg, actor, critic_from_actor(actor))
-        trainer.fit(state, engine=eng, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=demo.packer(cfg),
+        loop.fit(state, engine=eng, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=runner.packer(cfg),
                     run_dir=cfg.run_dir, log=Log())
 
     fit()

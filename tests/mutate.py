@@ -52,7 +52,7 @@ MODULES = {
     # too, slowly); the layout and denominator checks under test_reduction.py
     "ops/_validate": ["tests/ops/test_validate.py", "tests/ops/test_reduction.py", "-m", "not slow"],
     "ops/_dispatch": ["tests/ops/test_validate.py"],
-    "integrations/layout": ["tests/integrations/test_layout.py", "tests/integrations/test_padded.py"],
+    "integrations/padded": ["tests/integrations/test_packed_layout.py", "tests/integrations/test_padded.py"],
     "integrations/verl": ["tests/integrations/test_verl.py"],
     "integrations/openrlhf": ["tests/integrations/test_openrlhf.py", "tests/integrations/test_padded.py"],
     "integrations/trl": ["tests/integrations/test_trl.py", "tests/integrations/test_padded.py"],
@@ -65,7 +65,7 @@ MODULES = {
                       "tests/train/test_config.py", "tests/train/test_diagnostics.py",
                       "tests/train/test_lr_schedule.py", "tests/train/test_sync.py", "tests/train/test_host_syncs.py"],
     # the step's layout (built once per micro-batch) and its one read of the metrics
-    "train/layout": ["tests/train/test_layout.py", "tests/train/test_trainer.py", "tests/train/test_host_syncs.py"],
+    "train/micro_batch": ["tests/train/test_micro_batch.py", "tests/train/test_trainer.py", "tests/train/test_host_syncs.py"],
     "train/readout": ["tests/train/test_readout.py", "tests/train/test_diagnostics.py",
                       "tests/train/test_host_syncs.py", "tests/train/test_trainer.py"],
     # the outer loop (fit) and its log; test_faults.py trains in subprocesses, left out as above

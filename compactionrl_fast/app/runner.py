@@ -57,7 +57,7 @@ def task(cfg: TrainConfig):
 def packer(cfg: TrainConfig):
     """pack() with prefix sharing, the final rewards placed as the trainer reads them (so it reuses them)."""
     from ..packing import pack
-    from ..train.layout import reward_mode
+    from ..train.micro_batch import reward_mode
 
     mode = reward_mode(cfg)
     return lambda rollouts: pack(rollouts, prefix_sharing=True, reward_mode=mode)

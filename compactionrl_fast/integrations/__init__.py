@@ -10,6 +10,6 @@
 The trainer modules are imported explicitly (`import compactionrl_fast.integrations.verl`); importing
 this package imports none of them.
 """
-from .layout import PackedLayout, packed_layout, segment_gae_padded
+from .padded import PackedLayout, packed_layout, segment_gae_padded
 
 __all__ = ["PackedLayout", "packed_layout", "segment_gae_padded"]

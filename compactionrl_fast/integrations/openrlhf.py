@@ -20,7 +20,7 @@ from torch import nn
 from ..ops import ppo_policy_loss, value_loss
 from ..ops._validate import trusted_layout
 from ._common import denominator_from, masked_mean, number as _number
-from .layout import as_bool_mask, flat, row_table, segment_gae_padded
+from .padded import as_bool_mask, flat, row_table, segment_gae_padded
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ from ..ops import ppo_policy_loss
 from ..ops import value_loss as _value_loss
 from ..ops._validate import trusted_layout
 from ._common import masked_whiten, number as _number
-from .layout import as_bool_mask, flat, segment_gae_padded
+from .padded import as_bool_mask, flat, segment_gae_padded
 
 
 @torch.no_grad()

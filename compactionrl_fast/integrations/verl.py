@@ -46,7 +46,7 @@ import torch
 from ..ops import ppo_policy_loss
 from ..ops._validate import trusted_layout
 from ._common import cfg_get, denominator_from, masked_whiten
-from .layout import as_bool_mask, flat, row_table, segment_gae_padded
+from .padded import as_bool_mask, flat, row_table, segment_gae_padded
 
 ADV_ESTIMATOR = "compaction_gae"
 POLICY_LOSS = "compaction"

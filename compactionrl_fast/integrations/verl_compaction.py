@@ -16,7 +16,7 @@ from ..ops import place_final_rewards
 from ..ops._validate import trusted_layout
 from ..rollout.engines.base import Engine, Generation, caps_list
 from ._common import cfg_get, masked_whiten
-from .layout import as_bool_mask, flat, row_table, segment_gae_padded
+from .padded import as_bool_mask, flat, row_table, segment_gae_padded
 from .verl import ADV_ESTIMATOR, gae_options
 
 CRITIC_TARGETS = ("local", "corrected")

@@ -1,7 +1,7 @@
 """Per-step training diagnostics the paper does not report.
 
 What depends on the packed layout alone (docs/layout.md) is derived once per step on the host
-(`layout_part`, kept in the step's `layout.MicroBatch`); what depends on advantages, values and returns [T]
+(`layout_part`, kept in the step's `micro_batch.MicroBatch`); what depends on advantages, values and returns [T]
 stays on the device as [] tensors until the step's one read (`readout.read`). The result: flat dicts of
 floats (lists for histograms and deciles) ready for the JSONL log.
 """
@@ -11,7 +11,8 @@ import math
 
 import torch
 
-EXEC, SUMMARY = 0, 1
+from ..rollout.records import SEGMENT_KINDS, SUMMARY
+
 FACTOR_BINS = 10  # histogram of the cross-segment factors over [0, 1]
 
 
@@ -27,7 +28,7 @@ def segment_ids(batch):
 
 def summary_index(batch, roll):
     """For each segment [S]: 1 for a rollout's first summary, 2 for its second, ...; 0 for exec segments."""
-    is_sum = (batch.segment_kind.long() == SUMMARY).long()
+    is_sum = (batch.segment_kind.long() == SEGMENT_KINDS[SUMMARY]).long()
     csum = is_sum.cumsum(0)
     start = batch.cu_segments[:-1].long()[roll]  # first segment of each segment's rollout
     return (csum - (csum[start] - is_sum[start])) * is_sum
@@ -76,11 +77,11 @@ def layout_part(batch, cfg, idx, ids) -> dict:
     mask = batch.loss_mask
     kind = batch.segment_kind.long()
     out = {"rollouts": R, "tokens_total": int(mask.numel()), "tokens_trainable": int(mask.sum())}
-    for k, name in ((EXEC, "exec"), (SUMMARY, "summary")):
+    for name, k in SEGMENT_KINDS.items():
         out[f"tokens_{name}_per_rollout"] = float(n[kind == k].sum()) / max(R, 1)
         out[f"segments_{name}_per_rollout"] = float((kind == k).sum()) / max(R, 1)
     out["compactions_per_rollout"] = out["segments_summary_per_rollout"]
-    sums = n[kind == SUMMARY]
+    sums = n[kind == SEGMENT_KINDS[SUMMARY]]
     out["summary_length"] = float(sums.double().mean()) if sums.numel() else 0.0
 
     # segment weights in the loss: the cross-segment factor, and each segment's share of the tokens
@@ -88,7 +89,7 @@ def layout_part(batch, cfg, idx, ids) -> dict:
     has = n > 0
     hist = torch.histc(f[has].float(), bins=FACTOR_BINS, min=0.0, max=1.0) if bool(has.any()) else torch.zeros(FACTOR_BINS)
     factors = {"segment_factor_hist": [int(x) for x in hist.tolist()]}
-    for k, name in ((EXEC, "exec"), (SUMMARY, "summary")):
+    for name, k in SEGMENT_KINDS.items():
         sel = f[has & (kind == k)]
         factors[f"segment_factor_{name}_mean"] = float(sel.mean()) if sel.numel() else float("nan")
     share = n[has].double() / max(int(n.sum()), 1)
@@ -96,7 +97,7 @@ def layout_part(batch, cfg, idx, ids) -> dict:
 
     kind_t = kind[seg][idx]
     sidx = summary_index(batch, roll)[seg][idx]
-    pos = {name: (kind_t == k).nonzero()[:, 0] for k, name in ((EXEC, "exec"), (SUMMARY, "summary"))}
+    pos = {name: (kind_t == k).nonzero()[:, 0] for name, k in SEGMENT_KINDS.items()}
     pos.update({f"summary{i}": (sidx == i).nonzero()[:, 0] for i in (1, 2, 3)})
     return {"shape": out, "factors": factors, "pos": pos}
 
@@ -105,7 +106,7 @@ def batch_diagnostics(mb, advantages, values, returns) -> dict:
     """Compaction shape, advantage structure and value calibration of one micro-batch.
 
     Args:
-        mb: a `layout.MicroBatch`; advantages, values, returns: [T] float (trainable positions read).
+        mb: a `micro_batch.MicroBatch`; advantages, values, returns: [T] float (trainable positions read).
     Returns host numbers for what the layout decides and [] tensors for the rest (`readout.read` reads them).
     """
     pos, idx = mb.diag["pos"], mb.idx

@@ -6,7 +6,7 @@ import time
 
 from . import dist, trainer
 from .config import TrainConfig
-from .layout import layout_on
+from .micro_batch import layout_on
 from .log import MetricsLog, rollout_metrics
 from .sync import check_sampler, push_weights
 from .threads import maybe_step
@@ -39,7 +39,7 @@ def split_rollouts(rollouts: list, max_tokens: int) -> list:
 def micro_batches(rollouts: list, cfg: TrainConfig, pack, device="cpu"):
     """Pack a rank's rollouts into micro-batches of at most cfg.micro_batch_tokens tokens, within
     cfg.ppo_minibatches even groups, each with its layout derived on the host and moved to `device`.
-    Returns (batches as `layout.MicroBatch`, minibatches as lists of batch indices)."""
+    Returns (batches as `micro_batch.MicroBatch`, minibatches as lists of batch indices)."""
     k = max(1, min(cfg.ppo_minibatches, len(rollouts)))
     batches, groups = [], []
     for j in range(k):

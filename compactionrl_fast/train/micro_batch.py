@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..rollout.records import EXEC, SEGMENT_KINDS
 from . import diagnostics, dist
 from .model import action_index, forward_tables
 
@@ -32,7 +33,7 @@ def policy_mask(batch, cfg, seg=None):
     if cfg.train_summary_tokens:
         return batch.loss_mask
     seg = diagnostics.segment_ids(batch)[0] if seg is None else seg
-    return batch.loss_mask & (batch.segment_kind.long()[seg] == diagnostics.EXEC)
+    return batch.loss_mask & (batch.segment_kind.long()[seg] == SEGMENT_KINDS[EXEC])
 
 
 def selected_offsets(batch, idx, mask, seg):

@@ -11,7 +11,7 @@ import math
 import torch
 
 from .model import action_index, actor_logprobs
-from .layout import denominator
+from .micro_batch import denominator
 from .trainer import optim_step
 
 

@@ -9,9 +9,9 @@ One step on a global batch of rollouts (each rank holds its share, cut into micr
 3. actor update(s): `linear_logprobs` of the trainable tokens, `ppo_policy_loss` with the advantages.
 
 Every loss is a token-level mean over the whole global batch: each micro-batch's loss is divided by the
-global count (`layout.Denominators`, over micro-batches and ranks, once per step), gradients are summed
+global count (`micro_batch.Denominators`, over micro-batches and ranks, once per step), gradients are summed
 over micro-batches and all-reduced (summed) over ranks, so the update equals the single-process
-full-batch update. A micro-batch's layout is derived once, on the host (`layout.MicroBatch`); the metrics
+full-batch update. A micro-batch's layout is derived once, on the host (`micro_batch.MicroBatch`); the metrics
 stay on the device and are read once, at the end of the step (`readout.read`). The math lives in the ops;
 this file only wires them. The loop around the step (rollouts, logging, checkpoints) is train/loop.py.
 """
@@ -27,7 +27,7 @@ from . import checkpoint, diagnostics
 from .config import TrainConfig, validate
 from .config_load import to_dict
 from .dist import all_reduce_grads
-from .layout import Denominators, as_micro_batches
+from .micro_batch import Denominators, as_micro_batches
 from .model import actor_logprobs, critic_hidden
 from .readout import Means, read
 
@@ -85,9 +85,9 @@ def load_state(state: State, run_dir: str) -> None:
 
 def advantages(batch, values, cfg: TrainConfig, rewards=None):
     """(advantages [T], returns [T]) of a packed batch from critic values [T], via the package's ops;
-    `rewards`: the placed final rewards [T] (None: placed here, `layout.placed_rewards`)."""
+    `rewards`: the placed final rewards [T] (None: placed here, `micro_batch.placed_rewards`)."""
     from ..ops import segment_gae
-    from .layout import placed_rewards
+    from .micro_batch import placed_rewards
 
     rewards = placed_rewards(batch, cfg) if rewards is None else rewards
     return segment_gae(rewards, values, batch.loss_mask, batch.cu_seqlens, batch.cu_segments, gamma=cfg.gamma,
@@ -120,7 +120,7 @@ def sampler_gap(behaviour, batch, idx):
 
 def train_step(state: State, batches: list, *, update_actor: bool = True, diagnose: bool = True,
                gap: bool = False, minibatches: list | None = None, measure_gap: bool = False) -> dict:
-    """One PPO step over this rank's micro-batches (PackedBatch or `layout.MicroBatch` each, whole
+    """One PPO step over this rank's micro-batches (PackedBatch or `micro_batch.MicroBatch` each, whole
     rollouts). Returns metrics (host numbers, read from the device once, at the end).
 
     `minibatches`: lists of indices into `batches`, one actor optimiser step each, repeated for

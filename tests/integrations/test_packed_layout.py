@@ -123,9 +123,9 @@ def test_bad_inputs_name_the_argument():
 def test_docstring_examples():
     import doctest
 
-    from compactionrl_fast.integrations import layout
+    from compactionrl_fast.integrations import padded
 
-    assert doctest.testmod(layout, optionflags=doctest.NORMALIZE_WHITESPACE).failed == 0
+    assert doctest.testmod(padded, optionflags=doctest.NORMALIZE_WHITESPACE).failed == 0
 
 
 def test_bad_inputs_name_the_argument_exactly():
@@ -144,7 +144,7 @@ def test_bad_inputs_name_the_argument_exactly():
     with pytest.raises(TypeError, match="^segment_index must hold integers$"):
         packed_layout(mask, segment_index=[0.5, 1.0])
     with pytest.raises(TypeError, match="^segment_index must hold integers$"):  # unhashable: not cached either
-        crf.integrations.layout.row_table(2, 3, segment_index=[[0], [1]])
+        crf.integrations.padded.row_table(2, 3, segment_index=[[0], [1]])
     with pytest.raises(TypeError, match="keep must have dtype"):
         packed_layout(mask, keep=torch.ones(2, 3))
     with pytest.raises(ValueError, match=r"keep must have the shape of response_mask \(2, 3\), got \(2, 4\)"):
@@ -200,40 +200,40 @@ def test_row_table_values_and_cache(monkeypatch):
 
     import numpy as np
 
-    from compactionrl_fast.integrations import layout
+    from compactionrl_fast.integrations import padded
 
-    monkeypatch.setattr(layout, "_TABLES", collections.OrderedDict())
-    t = layout.row_table(3, 4, ["a", "b", "a"])
+    monkeypatch.setattr(padded, "_TABLES", collections.OrderedDict())
+    t = padded.row_table(3, 4, ["a", "b", "a"])
     assert t.order == (0, 2, 1) and t.cu_segments.tolist() == [0, 2, 3] and t.seg_start.tolist() == [0, 8, 4]
     assert t.cu_seqlens.tolist() == t.rows.tolist() == [0, 4, 8, 12] and t.cu_segments.dtype == torch.int64
-    assert layout.row_table(3, 4, ["a", "b", "a"]) is t  # cached
-    ident = layout.row_table(3, 4, ["a", "a", "b"])
+    assert padded.row_table(3, 4, ["a", "b", "a"]) is t  # cached
+    ident = padded.row_table(3, 4, ["a", "a", "b"])
     assert ident.order == (0, 1, 2) and ident.seg_start is None  # rows already in segment order
-    empty_rows = layout.row_table(2, 0)
+    empty_rows = padded.row_table(2, 0)
     assert empty_rows.cu_seqlens.tolist() == [0, 0, 0] and empty_rows.cu_seqlens.dtype == torch.int64
     # the key covers everything the table depends on
-    assert layout.row_table(3, 4, ["a", "b", "a"], segment_index=[1, 0, 0]).order == (2, 0, 1)
-    meta = layout.row_table(3, 4, ["a", "b", "a"], device="meta")
+    assert padded.row_table(3, 4, ["a", "b", "a"], segment_index=[1, 0, 0]).order == (2, 0, 1)
+    meta = padded.row_table(3, 4, ["a", "b", "a"], device="meta")
     assert {t.device.type for t in (meta.cu_seqlens, meta.cu_segments, meta.seg_start, meta.rows)} == {"meta"}
     ids = torch.tensor([0, 1, 0])
-    assert layout.row_table(3, 4, ids).cu_segments.tolist() == [0, 2, 3]
+    assert padded.row_table(3, 4, ids).cu_segments.tolist() == [0, 2, 3]
     ids[1] = 0  # changed in place: same object, new rollouts
-    assert layout.row_table(3, 4, ids).cu_segments.tolist() == [0, 3]
-    assert layout.row_table(3, 4, np.array([0, 1, 2])).cu_segments.tolist() == [0, 1, 2, 3]
-    assert layout.row_table(3, 4, np.array([0, 0, 0])).cu_segments.tolist() == [0, 3]
+    assert padded.row_table(3, 4, ids).cu_segments.tolist() == [0, 3]
+    assert padded.row_table(3, 4, np.array([0, 1, 2])).cu_segments.tolist() == [0, 1, 2, 3]
+    assert padded.row_table(3, 4, np.array([0, 0, 0])).cu_segments.tolist() == [0, 3]
     # the 8 most recent tables stay cached, the oldest goes first
-    layout._TABLES.clear()
-    tables = [layout.row_table(1, n + 1) for n in range(layout._TABLES_MAX)]
-    assert all(layout.row_table(1, n + 1) is tables[n] for n in range(layout._TABLES_MAX))
-    newest = layout.row_table(1, 100)
-    assert layout.row_table(1, 100) is newest and layout.row_table(1, 1) is not tables[0]
+    padded._TABLES.clear()
+    tables = [padded.row_table(1, n + 1) for n in range(padded._TABLES_MAX)]
+    assert all(padded.row_table(1, n + 1) is tables[n] for n in range(padded._TABLES_MAX))
+    newest = padded.row_table(1, 100)
+    assert padded.row_table(1, 100) is newest and padded.row_table(1, 1) is not tables[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64])
 def test_mask_of_any_dtype_is_checked_for_0_and_1(dtype):
     """as_bool_mask's checks by reduction (integers: the range; floats: nonzero == equal-to-1) reject
     exactly the masks with a value other than 0 or 1: NaN, inf, fractions, negatives, 2."""
-    from compactionrl_fast.integrations.layout import as_bool_mask
+    from compactionrl_fast.integrations.padded import as_bool_mask
 
     g = torch.Generator().manual_seed(3)
     good = (torch.rand(4, 33, generator=g) > 0.4).to(dtype)

@@ -5,7 +5,7 @@ import torch
 
 import compactionrl_fast as crf
 from compactionrl_fast.integrations import openrlhf, segment_gae_padded, trl, verl
-from compactionrl_fast.integrations.layout import row_table
+from compactionrl_fast.integrations.padded import row_table
 from compactionrl_fast.ops._dispatch import available
 from tests.integrations._batches import padded_from_packed
 from tests.utils import RecordOps, SHAPE_TABLE, packed_batch, random_case

@@ -255,7 +255,7 @@ def test_trainer_mode_differs_from_uid_chaining(tq):
     td = tq.kv_batch_get(keys, "train", ["response_mask", "rm_scores", "values"]).to_padded_tensor()
     ours, _ = compaction_advantages(keys, td["rm_scores"], td["values"], td["response_mask"],
                                     {"compaction_gae": {"cross_segment": "stitched"}})
-    from compactionrl_fast.integrations.layout import segment_gae_padded
+    from compactionrl_fast.integrations.padded import segment_gae_padded
 
     uids = [k.rsplit("_", 2)[0] for k in keys]  # what the old adapter saw: the prompt only, rows in batch order
     old, _ = segment_gae_padded(td["rm_scores"], td["values"], td["response_mask"].bool(), uids,

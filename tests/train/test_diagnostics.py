@@ -12,7 +12,7 @@ from ._tiny import hand_batch
 
 
 def _mb(b, cfg):
-    """The part of a `layout.MicroBatch` the diagnostics read."""
+    """The part of a `micro_batch.MicroBatch` the diagnostics read."""
     from types import SimpleNamespace
 
     idx = b.loss_mask.nonzero()[:, 0]

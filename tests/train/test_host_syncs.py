@@ -2,7 +2,7 @@
 
 The step runs on fake tensors (FakeTensorMode: shapes and devices, no data) with the tiny model, the
 default config (2 critic updates, adaptive lambda, the paper's cross-segment mode, diagnostics) and 3
-micro-batches of packed expert rollouts whose layouts (`layout.MicroBatch`) were derived on the host,
+micro-batches of packed expert rollouts whose layouts (`micro_batch.MicroBatch`) were derived on the host,
 as `loop.micro_batches` derives them. Every host read of device data is counted (tests/train/_host_reads.py).
 Fake tensors are "cuda" where this torch is built with CUDA; a CPU-only torch refuses fake CUDA tensors
 at its Python methods' device guards, so there the device data are fake CPU tensors, counted from the
@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from compactionrl_fast.ops import _dispatch
 from compactionrl_fast.packing import pack
 from compactionrl_fast.train.config import TrainConfig
-from compactionrl_fast.train.layout import MicroBatch
+from compactionrl_fast.train.micro_batch import MicroBatch
 from compactionrl_fast.train.model import packed_hidden
 from compactionrl_fast.train.trainer import make_state, train_step
 

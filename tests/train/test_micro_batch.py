@@ -1,12 +1,12 @@
-"""A micro-batch's layout (train/layout.py): derived once, where the batch is, and moved whole."""
+"""A micro-batch's layout (train/micro_batch.py): derived once, where the batch is, and moved whole."""
 import copy
 
 import pytest
 import torch
 
-from compactionrl_fast.train import diagnostics, layout
+from compactionrl_fast.train import diagnostics, micro_batch
 from compactionrl_fast.train.config import TrainConfig
-from compactionrl_fast.train.layout import (Denominators, MicroBatch, concat_layout, denominator, layout_on,
+from compactionrl_fast.train.micro_batch import (Denominators, MicroBatch, concat_layout, denominator, layout_on,
                                             placed_rewards, reward_mode, selected_offsets)
 
 from ._tiny import hand_batch
@@ -39,7 +39,7 @@ def test_build_derives_the_segment_ids_once(monkeypatch, summaries):
     mb = MicroBatch.build(b, cfg)
     assert len(calls) == 1
     seg = real(b)[0]
-    assert torch.equal(mb.policy_mask, layout.policy_mask(b, cfg, seg)[mb.idx])
+    assert torch.equal(mb.policy_mask, micro_batch.policy_mask(b, cfg, seg)[mb.idx])
     assert mb.n_policy == int(mb.policy_mask.sum()) and mb.n_tokens == int(b.loss_mask.sum())
 
 

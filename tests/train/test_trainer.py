@@ -7,7 +7,7 @@ import torch
 
 from compactionrl_fast.train.config import TrainConfig
 from compactionrl_fast.train.model import action_index, actor_logprobs, critic_values
-from compactionrl_fast.train.layout import policy_mask
+from compactionrl_fast.train.micro_batch import policy_mask
 from compactionrl_fast.train.trainer import advantages, make_state, train_step
 
 from ._tiny import hand_batch, tiny_models, tiny_rollouts
@@ -146,7 +146,7 @@ def test_rollout_metrics_by_hand():
 def test_concat_layout_and_denominator_over_micro_batches():
     from compactionrl_fast.packing import pack
     from compactionrl_fast.rollout import Rollout, Segment
-    from compactionrl_fast.train.layout import concat_layout, denominator
+    from compactionrl_fast.train.micro_batch import concat_layout, denominator
 
     seg = lambda n, on=True: Segment("exec", [0] * (n + 1), [False] + [on] * n, [0.0] * (n + 1))  # noqa: E731
     b1 = pack([Rollout(segments=[seg(2), seg(1, on=False)]), Rollout(segments=[seg(3)])])  # T 9, S 3, R 2
@@ -268,7 +268,7 @@ def test_two_epochs_of_one_minibatch_move_off_the_behaviour_policy():
 
 def test_diagnostic_histograms_come_from_the_first_micro_batch():
     from compactionrl_fast.train import diagnostics
-    from compactionrl_fast.train.layout import MicroBatch
+    from compactionrl_fast.train.micro_batch import MicroBatch
     from compactionrl_fast.train.readout import read
 
     b0, b1 = hand_batch(seed=0), hand_batch(seed=1, rollouts=((6, 8), (10, 5, 7)))
@@ -563,7 +563,7 @@ def test_evaluate_default_chunk_and_a_rank_without_rollouts(monkeypatch):
 def test_denominators_stay_on_the_device_over_nccl(monkeypatch):
     """Over NCCL ranks the global count is all-reduced on the training device and stays a tensor there (no
     host read); the step takes it as the losses' denominator."""
-    from compactionrl_fast.train.layout import denominator
+    from compactionrl_fast.train.micro_batch import denominator
 
     b = hand_batch()
     assert denominator([b], [b.loss_mask], "token-mean") == int(b.loss_mask.sum())  # one process: an int
@@ -593,7 +593,7 @@ def test_the_loop_names_still_import_from_trainer():
 
 
 def test_advantages_use_the_rewards_they_are_given():
-    from compactionrl_fast.train.layout import placed_rewards
+    from compactionrl_fast.train.micro_batch import placed_rewards
 
     b = hand_batch()
     cfg = _cfg()
@@ -604,10 +604,10 @@ def test_advantages_use_the_rewards_they_are_given():
 
 
 def test_a_step_reads_the_layout_it_is_given(monkeypatch):
-    """On `layout.MicroBatch`es the step derives no layout again: no placed rewards, segment ids or forward
+    """On `micro_batch.MicroBatch`es the step derives no layout again: no placed rewards, segment ids or forward
     tables, in every branch (epochs, mini-batches, the gap diagnostics, a critic-only step measuring the gap)."""
     from compactionrl_fast.train import diagnostics, layout, model
-    from compactionrl_fast.train.layout import MicroBatch
+    from compactionrl_fast.train.micro_batch import MicroBatch
 
     cfg = _cfg(ppo_epochs=2, ppo_minibatches=2)
     mbs = [MicroBatch.build(hand_batch(seed=s), cfg) for s in (0, 1, 2)]

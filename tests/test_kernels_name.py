@@ -2,6 +2,7 @@
 kernels/ folder is `compactionrl_fast.kernels` only, and from the repository root (on sys.path for scripts,
 `python -c` and pytest) `import kernels` finds the distribution when one is installed, or fails as if the folder
 were not there. `make test-newest` checks it with the real distribution and the newest transformers."""
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -43,6 +44,11 @@ def test_bare_import_without_the_distribution_is_an_empty_namespace():
     # what Python gives for a folder without __init__.py: no file, no version, nothing under it; transformers
     # reads that as "kernels is not installed" (it imports the name to check)
     pytest.importorskip("transformers")
+    try:
+        pytest.skip(f"the kernels distribution {importlib.metadata.version('kernels')} is installed here (the "
+                    "stand-in test and every transformers model built from the root cover that case)")
+    except importlib.metadata.PackageNotFoundError:
+        pass
     res = run_from_root(textwrap.dedent("""
         import kernels
         print(getattr(kernels, "__file__", None), list(kernels.__path__))

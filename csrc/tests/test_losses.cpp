@@ -13,14 +13,7 @@
 
 #include "common/ppo_math.h"
 
-static int failures = 0;
-#define EXPECT(cond)                                                \
-  do {                                                             \
-    if (!(cond)) {                                                 \
-      std::printf("FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);  \
-      ++failures;                                                  \
-    }                                                              \
-  } while (0)
+#include "expect.h"
 
 using Out = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 

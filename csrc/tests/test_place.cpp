@@ -6,14 +6,7 @@
 #include <cstdio>
 #include <vector>
 
-static int failures = 0;
-#define EXPECT(cond)                                                  \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      std::printf("FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);     \
-      ++failures;                                                     \
-    }                                                                 \
-  } while (0)
+#include "expect.h"
 
 // The placement stated token by token: each segment's (or rollout's) last trainable token gets the reward.
 static at::Tensor serial_place(const at::Tensor& rr, const at::Tensor& mask, const at::Tensor& cu_seqlens,

@@ -115,9 +115,9 @@ def fit(state: trainer.State, *, engine, make_envs, tokenizer, rollout_cfg, pack
                                             train_seeds(cfg, it, rank, n_local), chat=chat)
             t1 = time.perf_counter()
             batches, minibatches = micro_batches(rollouts, cfg, pack, device)
-            gap = bool(cfg.gap_every) and (it % cfg.gap_every == 0)
-            metrics = trainer.train_step(state, batches, update_actor=not pretrain, gap=gap, minibatches=minibatches,
-                                 measure_gap=first)
+            advantage_gap = bool(cfg.gap_every) and (it % cfg.gap_every == 0)
+            metrics = trainer.train_step(state, batches, update_actor=not pretrain, advantage_gap=advantage_gap,
+                                         minibatches=minibatches, measure_sampler_gap=first)
             t2 = time.perf_counter()
             if not pretrain:
                 sync_s += push_weights(engine, state.actor)

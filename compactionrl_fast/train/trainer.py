@@ -119,14 +119,16 @@ def sampler_gap(behaviour, batch, idx):
 
 
 def train_step(state: State, batches: list, *, update_actor: bool = True, diagnose: bool = True,
-               gap: bool = False, minibatches: list | None = None, measure_gap: bool = False) -> dict:
+               advantage_gap: bool = False, minibatches: list | None = None,
+               measure_sampler_gap: bool = False) -> dict:
     """One PPO step over this rank's micro-batches (PackedBatch or `micro_batch.MicroBatch` each, whole
     rollouts). Returns metrics (host numbers, read from the device once, at the end).
 
     `minibatches`: lists of indices into `batches`, one actor optimiser step each, repeated for
     cfg.ppo_epochs (default: all micro-batches in one step). Every rank must pass the same number.
     `sampler/logp_absdiff_max` (the sampler-vs-learner gap, `sampler_gap`) is measured at every actor
-    update for free, and with an extra actor forward on a critic-only step when `measure_gap`.
+    update for free, and with an extra actor forward on a critic-only step when `measure_sampler_gap`.
+    `advantage_gap`: also the gap between the paper's and the stitched advantages (`diagnostics.advantage_gap`).
     """
     cfg, actor, critic, group = state.cfg, state.actor, state.critic, state.group
     from ..ops import value_head, value_loss
@@ -185,25 +187,26 @@ def train_step(state: State, batches: list, *, update_actor: bool = True, diagno
                 rec["actor"].append(_actor_update(state, sub(mbs), sub(adv), behaviour, den.policy[j], gaps))
                 for i, b in zip(mb, behaviour):
                     old[i] = b
-    elif measure_gap:
+    elif measure_sampler_gap:
         with torch.no_grad():
             gaps = [sampler_gap(actor_logprobs(actor, m.batch, m.idx, temperature=cfg.temperature, tables=m.tables),
                                 m.batch, m.idx) for m in mbs]
     if gaps:
-        rec["gap"] = torch.stack(gaps).max()
+        rec["sampler_gap"] = torch.stack(gaps).max()
     # ---- diagnostics on the whole local batch
     if diagnose:
         rec["diag"] = []
         for i, m in enumerate(mbs):
             values = _scatter(m.idx, old_v[i], m.batch.loss_mask.numel())
             stats = diagnostics.batch_diagnostics(m, adv[i], values, ret[i])
-            if gap:
+            if advantage_gap:
                 stats.update(diagnostics.advantage_gap(m, values, cfg))
             rec["diag"].append(stats)
-    return _metrics(read(rec), mbs, update_actor=update_actor, measure_gap=measure_gap, lr=lr if update_actor else None)
+    return _metrics(read(rec), mbs, update_actor=update_actor, measure_sampler_gap=measure_sampler_gap,
+                    lr=lr if update_actor else None)
 
 
-def _metrics(rec: dict, mbs: list, *, update_actor: bool, measure_gap: bool, lr) -> dict:
+def _metrics(rec: dict, mbs: list, *, update_actor: bool, measure_sampler_gap: bool, lr) -> dict:
     """The step's metrics from its read record (host numbers only)."""
     out = {}
     if "critic_grad_norm" in rec:
@@ -220,8 +223,8 @@ def _metrics(rec: dict, mbs: list, *, update_actor: bool, measure_gap: bool, lr)
             acc.add(mb, 1.0)
         out.update(acc.result())
         out["actor/lr"] = lr
-    if update_actor or measure_gap:
-        out["sampler/logp_absdiff_max"] = rec["gap"]
+    if update_actor or measure_sampler_gap:
+        out["sampler/logp_absdiff_max"] = rec["sampler_gap"]
     if "diag" in rec:
         d = Means()
         for i, (m, stats) in enumerate(zip(mbs, rec["diag"])):

@@ -153,7 +153,7 @@ def _check_rows(run):
     assert [n for n, _ in rec["steps"]] == [2] * 4
     assert [kw["minibatches"] for _, kw in rec["steps"]] == [[[0], [1]]] * 4
     assert [kw["update_actor"] for _, kw in rec["steps"]] == [False, True, True, True]
-    assert [kw["gap"] for _, kw in rec["steps"]] == [True, False, True, False]
+    assert [kw["advantage_gap"] for _, kw in rec["steps"]] == [True, False, True, False]
 
 
 def _check_progress_and_checkpoints(run):

@@ -77,10 +77,10 @@ def _fake_step(cfg, run):
 
 
 @pytest.mark.parametrize("cfg,kw,keys", [
-    (dict(), dict(gap=True), {"actor/policy_loss", "actor/grad_norm", "adv_exec_mean", "gap_abs_mean"}),
+    (dict(), dict(advantage_gap=True), {"actor/policy_loss", "actor/grad_norm", "adv_exec_mean", "gap_abs_mean"}),
     # behaviour passes before the updates, 4 actor steps
     (dict(ppo_epochs=2, ppo_minibatches=2), dict(minibatches=[[0], [1, 2]], diagnose=False), {"actor/policy_loss"}),
-    (dict(), dict(update_actor=False, measure_gap=True, diagnose=False), set()),  # value pre-training
+    (dict(), dict(update_actor=False, measure_sampler_gap=True, diagnose=False), set()),  # value pre-training
 ])
 def test_train_step_reads_the_device_at_most_3_times_all_at_the_end(cfg, kw, keys):
     out, reads = _fake_step(TrainConfig(**cfg), lambda state, mbs, _: train_step(state, mbs, **kw))

@@ -40,10 +40,11 @@ class _Harness:
         self.device = device
         return ["mb"], [[0]]
 
-    def train_step(self, state, batches, *, update_actor, gap, minibatches, measure_gap):
+    def train_step(self, state, batches, *, update_actor, advantage_gap, minibatches, measure_sampler_gap):
         it = state.step
         assert it == len(self.calls) < self.cfg.value_pretrain_steps + self.cfg.steps, "steps out of order"
-        self.calls.append({"update_actor": update_actor, "measure_gap": measure_gap, "gap": gap})
+        self.calls.append({"update_actor": update_actor, "measure_sampler_gap": measure_sampler_gap,
+                           "advantage_gap": advantage_gap})
         out = {}
         if it in self.gaps:
             out["sampler/logp_absdiff_max"] = self.gaps[it]
@@ -70,7 +71,7 @@ def test_fit_passes_the_actor_device_and_steps_once_per_iteration(monkeypatch):
     state = h.fit()
     assert state.step == 4 and h.device == torch.device("cpu")
     assert [c["update_actor"] for c in h.calls] == [False, True, True, True]
-    assert [c["measure_gap"] for c in h.calls] == [True, False, False, False]  # the first step only
+    assert [c["measure_sampler_gap"] for c in h.calls] == [True, False, False, False]  # the first step only
     assert [it for it, _ in h.logged] == [0, 1, 2, 3]
     assert [m["actor_step"] for _, m in h.logged] == [0, 1, 2, 3]
     assert [m["phase"] for _, m in h.logged] == ["value_pretrain", "ppo", "ppo", "ppo"]

@@ -577,21 +577,6 @@ def test_denominators_stay_on_the_device_over_nccl(monkeypatch):
     assert math.isfinite(m["actor/policy_loss"]) and math.isfinite(m["critic/value_loss"])
 
 
-def test_the_loop_names_still_import_from_trainer():
-    """trainer re-exports the names that moved to loop.py, log.py and dist.py (callers import them from here)."""
-    import importlib
-
-    from compactionrl_fast.train import trainer
-
-    moved = {"loop": ("EVAL_SEED_BASE", "evaluate", "fit", "micro_batches", "split_rollouts", "train_seeds"),
-             "log": ("MetricsLog", "read_rows", "rollout_metrics"), "dist": ("world", "global_max", "global_sum")}
-    for mod, names in moved.items():
-        for name in names:
-            assert getattr(trainer, name) is getattr(importlib.import_module(f"compactionrl_fast.train.{mod}"), name)
-    with pytest.raises(AttributeError, match="trainer' has no attribute 'fitt'"):
-        trainer.fitt
-
-
 def test_advantages_use_the_rewards_they_are_given():
     from compactionrl_fast.train.micro_batch import placed_rewards
 
@@ -606,7 +591,7 @@ def test_advantages_use_the_rewards_they_are_given():
 def test_a_step_reads_the_layout_it_is_given(monkeypatch):
     """On `micro_batch.MicroBatch`es the step derives no layout again: no placed rewards, segment ids or forward
     tables, in every branch (epochs, mini-batches, the gap diagnostics, a critic-only step measuring the gap)."""
-    from compactionrl_fast.train import diagnostics, layout, model
+    from compactionrl_fast.train import diagnostics, micro_batch, model
     from compactionrl_fast.train.micro_batch import MicroBatch
 
     cfg = _cfg(ppo_epochs=2, ppo_minibatches=2)
@@ -614,14 +599,14 @@ def test_a_step_reads_the_layout_it_is_given(monkeypatch):
 
     def boom(*a, **k):
         raise AssertionError("layout derived again")
-    for mod, name in ((layout, "placed_rewards"), (model, "forward_tables"), (model, "action_index"),
-                      (diagnostics, "segment_ids"), (layout, "policy_mask")):
+    for mod, name in ((micro_batch, "placed_rewards"), (model, "forward_tables"), (model, "action_index"),
+                      (diagnostics, "segment_ids"), (micro_batch, "policy_mask")):
         monkeypatch.setattr(mod, name, boom)
     actor, critic = tiny_models()
     state = make_state(cfg, actor, critic)
-    out = train_step(state, mbs, minibatches=[[0], [1, 2]], gap=True)
+    out = train_step(state, mbs, minibatches=[[0], [1, 2]], advantage_gap=True)
     assert math.isfinite(out["actor/policy_loss"]) and "gap_abs_mean" in out
-    out = train_step(state, mbs, update_actor=False, measure_gap=True, diagnose=False)
+    out = train_step(state, mbs, update_actor=False, measure_sampler_gap=True, diagnose=False)
     assert out["sampler/logp_absdiff_max"] > 0
 
 
@@ -681,7 +666,7 @@ def test_the_sampler_gap_of_a_critic_only_step_only_when_asked():
     idx = action_index(b.loss_mask, b.cu_attn)
     with torch.no_grad():
         want = float((actor_logprobs(actor, b, idx, temperature=0.8) - b.rollout_logprobs[idx]).abs().max())
-    out = train_step(state, [b], update_actor=False, measure_gap=True, diagnose=False)
+    out = train_step(state, [b], update_actor=False, measure_sampler_gap=True, diagnose=False)
     assert out["sampler/logp_absdiff_max"] == pytest.approx(want, rel=1e-6)
 
 

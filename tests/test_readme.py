@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = re.compile(r"```python\n(.*?)```(?:\s*<!-- output -->\s*```text\n(.*?)```)?", re.S)
 PUBLIC_OPS = ("segment_gae", "place_final_rewards", "ppo_policy_loss", "value_loss", "value_head", "value_head_loss",
               "linear_logprobs", "linear_logprobs_loss")
-MAX_LINES = 150
+MAX_LINES = 155
 
 
 def _read(path: str) -> str:

@@ -16,7 +16,7 @@ from typing import Optional, Union
 from ..ops._reduction import REDUCTIONS
 from ..ops.gae import CROSS_MODES
 from . import checks as c
-from .checks import ConfigError, server_urls  # noqa: F401 (part of this module's interface)
+from .checks import server_urls
 
 
 def knob(default, check, help: str, metavar: Optional[str] = None):

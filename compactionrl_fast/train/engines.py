@@ -21,7 +21,7 @@ def _server(cfg, actor):
     """ServerEngine on `server.urls`, or on `server.replicas` local vLLM replicas started from a copy of the
     actor (a folder that lives as long as the engine: the replicas read it at start)."""
     from ..rollout.engines.server_engine import ServerEngine
-    from .config import server_urls
+    from .checks import server_urls
 
     s, v = cfg.server, cfg.vllm
     kw = dict(max_in_flight=s.max_in_flight, timeout_s=s.timeout_s, retries=s.retries, max_failures=s.max_failures,

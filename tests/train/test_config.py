@@ -5,7 +5,8 @@ import re
 import pytest
 
 from compactionrl_fast.app.demo import demo_config
-from compactionrl_fast.train.config import ConfigError, ModelConfig, SFTConfig, TrainConfig
+from compactionrl_fast.train.checks import ConfigError
+from compactionrl_fast.train.config import ModelConfig, SFTConfig, TrainConfig
 from compactionrl_fast.train.config_load import add_arguments, from_args, update
 
 

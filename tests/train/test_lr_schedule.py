@@ -7,7 +7,8 @@ import torch
 
 from compactionrl_fast.app import runner
 from compactionrl_fast.train import log
-from compactionrl_fast.train.config import ConfigError, TrainConfig
+from compactionrl_fast.train.checks import ConfigError
+from compactionrl_fast.train.config import TrainConfig
 from compactionrl_fast.train.model import critic_from_actor
 from compactionrl_fast.train.loop import fit
 from compactionrl_fast.train.trainer import actor_lr_at, make_state

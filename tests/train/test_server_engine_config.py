@@ -7,7 +7,7 @@ pytest.importorskip("httpx")
 
 from compactionrl_fast.app import runner  # noqa: E402
 from compactionrl_fast.rollout import servers  # noqa: E402
-from compactionrl_fast.train.config import ConfigError  # noqa: E402
+from compactionrl_fast.train.checks import ConfigError  # noqa: E402
 from compactionrl_fast.train.config_load import update  # noqa: E402
 from compactionrl_fast.train.engines import make_engine  # noqa: E402
 from compactionrl_fast.train.model import critic_from_actor  # noqa: E402

@@ -15,7 +15,7 @@ import os
 import time
 
 from ..train.config import TrainConfig
-from ..train.config_load import to_dict, update
+from ..train.config_load import to_dict
 
 # name -> (what it tests, config overrides)
 VARIANTS = {

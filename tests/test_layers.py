@@ -138,8 +138,8 @@ def test_every_module_is_read():
     """The walk finds the layers' modules (a broken walk would pass test_layers_hold vacuously)."""
     graph = import_graph()
     assert {PKG + ".kernels.modes", PKG + ".ops.gae", PKG + ".train.trainer", PKG + ".app.cli"} <= set(graph)
-    assert (PKG + ".ops.gae", 1) not in graph[PKG + ".train.trainer"]
-    assert any(d == PKG + ".ops.gae" or d.startswith(PKG + ".ops") for d, _ in graph[PKG + ".train.trainer"])
+    # train/trainer.py imports the ops inside its functions only: they are read too
+    assert PKG + ".ops" in {d for d, _ in graph[PKG + ".train.trainer"]}
 
 
 def _write(tmp, files: dict[str, str]):

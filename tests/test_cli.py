@@ -85,6 +85,19 @@ def test_unknown_command_lists_commands(capsys):
     assert all(c in out for c in cli.COMMANDS)
 
 
+def test_console_script_and_main_module_point_at_the_cli():
+    """pyproject's `compactionrl-fast` script and `python -m compactionrl_fast` both run app/cli.py's main."""
+    import importlib
+
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        target = tomllib.load(f)["project"]["scripts"]["compactionrl-fast"]
+    module, _, name = target.partition(":")
+    assert getattr(importlib.import_module(module), name) is cli.main
+    out = subprocess.run([sys.executable, "-m", "compactionrl_fast", "nope"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and all(c in out.stdout for c in cli.COMMANDS)
+
+
 def test_demo_writes_under_run_dir_and_record_writes_results_only(tmp_path, monkeypatch):
     from compactionrl_fast.app import demo
 

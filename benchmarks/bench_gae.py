@@ -43,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import compactionrl_fast as crf  # noqa: E402
-from compactionrl_fast.ops._dispatch import available, cpp_ext  # noqa: E402
+from compactionrl_fast.ops._dispatch import TABLE, available, cpp_ext  # noqa: E402
 from compactionrl_fast.reference.gae import masked_gae  # noqa: E402
 
 from benchmarks import _harness as H  # noqa: E402
@@ -300,7 +300,8 @@ def formulations(b, device, *, oracle: bool, loops: bool = True, plans: bool = F
     """(name, zero-argument callable returning packed (adv, ret), timed callable, timing kwargs) tuples."""
     out = []
     # the Triton interpreter on CPU tensors is a test tool, not a backend worth timing
-    backends = [x for x in available(device) if x != "torch" and not (x == "triton" and device.type == "cpu")]
+    backends = [x for x in available(device) if x in TABLE["segment_gae"][device.type] and x != "torch"
+                and not (x == "triton" and device.type == "cpu")]
     for be in backends:
         out.append((be, lambda be=be: run_backend(b, be), None, {}))
     for be in backends:

@@ -97,7 +97,7 @@ def formulations(device):
     rows = [("naive", naive_step, False), ("chunked", chunked_step, False), ("fused", fused_step, False),
             ("naive +H", naive_step, True), ("chunked +H", chunked_step, True), ("fused +H", fused_step, True)]
     if device.type == "cuda":
-        rows.insert(2, ("chunked torch", lambda h, w, y, e: chunked_step(h, w, y, e, "torch"), False))
+        rows.insert(2, ("chunked torch", lambda h, w, y, e: chunked_step(h, w, y, e, "torch-tuned"), False))
         liger = liger_step()
         if liger is not None:
             rows.append(("liger flce", liger, False))

@@ -17,8 +17,8 @@ Ops (forward + backward where the op has gradients), inputs from the benchmark s
 - ppo_policy_loss, value_loss: cpp against the float64 references, token-mean with cu_seqlens;
 - value_head_loss: bf16 hidden (the C++ head) against `reference.value_head` + `reference.value_loss`;
 - linear_logprobs: the CPU chunk loop against `reference.naive_linear_logprobs`;
-- place_final_rewards: cpp against the torch backend (a cummax over the tokens; the float64 oracle loops
-  over tokens in Python, too slow at this size), rollouts of 4 segments.
+- place_final_rewards: cpp against the torch-tuned backend (a cummax over the tokens; the float64 oracle,
+  backend "torch", loops over tokens in Python, too slow at this size), rollouts of 4 segments.
 
 `--record` writes the measured speed-ups and floors (half of each) to the floors file, with the git
 revision and load they were measured at. The name is not bench_*.py: `python -m benchmarks` runs those.
@@ -83,7 +83,7 @@ def cases():
     bp = bench_gae.make_batch(32, 4096, segments=4)  # 128K tokens
     place = (torch.randn(32, generator=torch.Generator().manual_seed(0)), bp["loss_mask"], bp["cu_seqlens"],
              bp["cu_segments"])
-    out["place_final_rewards"] = (lambda: crf.place_final_rewards(*place, backend="torch"),
+    out["place_final_rewards"] = (lambda: crf.place_final_rewards(*place, backend="torch-tuned"),
                                   lambda: crf.place_final_rewards(*place))
 
     hl, wl, yl = bench_linear_logprobs.make_inputs(256, 256, 8192, torch.float32, "cpu")

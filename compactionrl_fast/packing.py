@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from .kernels.modes import REWARD_PLACEMENT
 from .rollout.records import SEGMENT_KINDS, SUMMARY
 
 
@@ -91,8 +92,8 @@ def pack(rollouts, *, prefix_sharing: bool = False, reward_mode: str = "paper", 
     """
     from .ops import place_final_rewards
 
-    if reward_mode not in ("paper", "stitched"):
-        raise ValueError(f"reward_mode must be 'paper' or 'stitched', got {reward_mode!r}")
+    if reward_mode not in REWARD_PLACEMENT:
+        raise ValueError(f"reward_mode must be one of {tuple(REWARD_PLACEMENT)}, got {reward_mode!r}")
     if isinstance(rollouts, (str, bytes, dict)) or hasattr(rollouts, "segments") or not hasattr(rollouts, "__iter__"):
         raise TypeError(f"rollouts must be a list of Rollout records, got {type(rollouts).__name__}")
     rollouts = list(rollouts)

@@ -46,8 +46,9 @@ import triton
 from ._launch import device_guard, empty, split64
 from .gae_chunk import _gae_chunk_kernel
 from .gae_lookback import _gae_lookback_kernel
-from .gae_params import _gae_params_kernel, needs_counts
+from .gae_params import _gae_params_kernel
 from .gae_scan import N_MAP
+from .modes import needs_counts
 
 BLOCK = 256             # tokens per block on GPU: no register spills at 4 warps (tests/test_aot.py)
 INTERPRET_BLOCK = 32768  # at most; the interpreter pays per operation, not per element: few, large blocks

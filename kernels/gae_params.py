@@ -8,11 +8,6 @@ from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >
 from . import modes
 
 
-def needs_counts(lam_mode: int, cross: int) -> bool:
-    """Whether `_gae_params_kernel` reads the segments' trainable-token counts."""
-    return cross == modes.CROSS_PAPER or lam_mode in (modes.LAM_ADAPTIVE_SEGMENT, modes.LAM_ADAPTIVE_ROLLOUT)
-
-
 @triton.jit
 def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, start_ptr, lam_ptr, out_ptr, S, T, gamma_hi, gamma_lo, lam_hi, lam_lo, alpha_hi,
                        alpha_lo, lamc_hi, lamc_lo, ws_ptr, n_ws, LAM_MODE: tl.constexpr, CROSS: tl.constexpr,
@@ -22,7 +17,7 @@ def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, start_ptr, lam_ptr, out_ptr, S,
     flows in from after the segment). The trainable counts are parked in the scale row until it is written.
     Float arguments come as float32 pairs hi + lo (Triton passes Python floats as float32; see
     kernels/_launch.py `split64`). LAM_MODE, CROSS: codes of kernels/modes.py; NEED_COUNTS:
-    `needs_counts(LAM_MODE, CROSS)`.
+    `modes.needs_counts(LAM_MODE, CROSS)`.
     ZERO_WS: also zero ws int32 [n_ws] (the look-back plan's tile counter and flags), so that the plan needs no
     fill launch of its own; the look-back kernel runs after this one on the same stream."""
     gamma = tl.zeros([1], tl.float64) + gamma_hi + gamma_lo

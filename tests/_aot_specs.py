@@ -9,6 +9,7 @@ OWN_CRITIC) with int32 offsets too, and the sizes as the JIT types them for a us
 from compactionrl_fast.kernels import linear_logprobs as klp
 from compactionrl_fast.kernels import segments as kseg
 from compactionrl_fast.kernels.gae import BLOCK, CARRY_BLOCK, LOOKBACK_TILE, PARAMS_BLOCK
+from compactionrl_fast.kernels import modes
 from compactionrl_fast.kernels.modes import (CROSS_NONE, CROSS_PAPER, CROSS_STITCHED, LAM_ADAPTIVE_ROLLOUT,
                                              LAM_ADAPTIVE_SEGMENT, LAM_CONST, LAM_TENSOR, REDUCTION_ROLLOUT_MEAN,
                                              REDUCTION_SEGMENT_MEAN, REDUCTION_SUM, REDUCTION_TOKEN_MEAN)
@@ -29,17 +30,21 @@ def _small(sig):
 
 _PARAMS_SIG = dict(start_ptr="*i64", lam_ptr="*fp32", out_ptr="*fp64", S="i64", T="i64",
                    **{f"{k}_{p}": "fp32" for k in ("gamma", "lam", "alpha", "lamc") for p in ("hi", "lo")})
+# (index dtype, lambda mode, cross mode, seg_start, zero ws); every cross mode of kernels/modes.py at least once
+_PARAMS_CASES = [("i64", LAM_CONST, CROSS_NONE, False, False), ("i64", LAM_ADAPTIVE_ROLLOUT, CROSS_PAPER, False, False),
+                 ("i32", LAM_ADAPTIVE_ROLLOUT, CROSS_PAPER, False, False),
+                 ("i64", LAM_ADAPTIVE_SEGMENT, CROSS_STITCHED, True, False),
+                 ("i64", LAM_TENSOR, CROSS_PAPER, True, False),
+                 ("i64", LAM_ADAPTIVE_ROLLOUT, CROSS_PAPER, False, True)]
+_PARAMS_CASES += [("i64", LAM_CONST, c, False, False) for c in modes.CROSS_SEGMENT.values()
+                  if c not in {case[2] for case in _PARAMS_CASES}]
 _PARAMS = [("_gae_params_kernel", dict(_offsets(idx), **_PARAMS_SIG, ws_ptr="*i32" if ws else "*fp64", n_ws="i64"),
-            {"LAM_MODE": mode, "CROSS": cross, "NEED_COUNTS": counts, "HAS_START": start, "BLOCK": PARAMS_BLOCK,
-             "ZERO_WS": ws})
-           for idx, mode, cross, counts, start, ws in [("i64", LAM_CONST, CROSS_NONE, False, False, False),
-                                                       ("i64", LAM_ADAPTIVE_ROLLOUT, CROSS_PAPER, True, False, False),
-                                                       ("i32", LAM_ADAPTIVE_ROLLOUT, CROSS_PAPER, True, False, False),
-                                                       ("i64", LAM_ADAPTIVE_SEGMENT, CROSS_STITCHED, True, True, False),
-                                                       ("i64", LAM_TENSOR, CROSS_PAPER, True, True, False),
-                                                       ("i64", LAM_ADAPTIVE_ROLLOUT, CROSS_PAPER, True, False, True)]]
+            {"LAM_MODE": mode, "CROSS": cross, "NEED_COUNTS": modes.needs_counts(mode, cross), "HAS_START": start,
+             "BLOCK": PARAMS_BLOCK, "ZERO_WS": ws})
+           for idx, mode, cross, start, ws in _PARAMS_CASES]
 _PARAMS.append(("_gae_params_kernel", _small(dict(_offsets("i32"), **_PARAMS_SIG, ws_ptr="*fp64", n_ws="i64")),
-                {"LAM_MODE": LAM_ADAPTIVE_ROLLOUT, "CROSS": CROSS_PAPER, "NEED_COUNTS": True, "HAS_START": False,
+                {"LAM_MODE": LAM_ADAPTIVE_ROLLOUT, "CROSS": CROSS_PAPER,
+                 "NEED_COUNTS": modes.needs_counts(LAM_ADAPTIVE_ROLLOUT, CROSS_PAPER), "HAS_START": False,
                  "BLOCK": PARAMS_BLOCK, "ZERO_WS": False}))
 
 _CHUNK_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", start_ptr="*i64", T="i64", S="i64", LOG_S="i32", params_ptr="*fp64",

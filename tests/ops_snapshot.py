@@ -4,6 +4,12 @@ interpreted), both index dtypes, every mode: a before/after check for refactors 
     python -m tests.ops_snapshot --save /tmp/before.pt      # on the old revision
     python -m tests.ops_snapshot --compare /tmp/before.pt   # on the new one: "0 differences", exit 0
 
+Each op runs on its CPU backends from the dispatch table (compactionrl_fast/ops/_dispatch.py) and its modes come
+from kernels/modes.py, so a new backend or mode is snapshotted without an edit here. Cases only in the new
+snapshot are listed as new, not as differences. `--old-names` compares with a snapshot saved before the tuned
+PyTorch paths were named "torch-tuned" (when "torch" meant them for place_final_rewards, value_head and
+linear_logprobs): its keys are renamed first.
+
 Bitwise on one machine with 1 thread (torch's matmuls round differently on other CPUs and thread counts: compare
 snapshots made on the same machine). A combination that raises is recorded as its message. About 4 min on 2 cores.
 """
@@ -18,8 +24,17 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 import compactionrl_fast as crf  # noqa: E402
+from compactionrl_fast.kernels import modes  # noqa: E402
+from compactionrl_fast.ops._dispatch import TABLE  # noqa: E402
 
-BACKENDS = ("torch", "cpp", "triton")
+
+def backends(op):
+    """The op's CPU backends, as the dispatch table lists them."""
+    return TABLE[op]["cpu"]
+
+
+# ops (key prefixes) whose "torch" was the tuned path in snapshots saved before "torch-tuned" existed
+OLD_TORCH_TUNED = ("place", "vhead", "llp", "llploss")
 
 
 def batch(idx_dtype, seed=0):
@@ -44,7 +59,7 @@ def gae_cases(b, add):
     lens = b["cu"].long().diff()
     start = torch.zeros(S, dtype=torch.int64)
     start[perm] = torch.cat([torch.zeros(1, dtype=torch.int64), lens[perm].cumsum(0)[:-1]])
-    for cross in ("none", "paper", "stitched"):
+    for cross in modes.CROSS_SEGMENT:
         for lam, al in ((0.95, "rollout"), ("adaptive", "rollout"), ("adaptive", "segment"), (lam_t, "rollout")):
             for lam_c in (1.0, None):
                 for gamma, st in ((1.0, None), (0.97, None), (0.99, start)):
@@ -52,13 +67,13 @@ def gae_cases(b, add):
                               seg_start=st)
                     key = (f"gae/{cross}/{'tensor' if isinstance(lam, torch.Tensor) else lam}/{al}/lc{lam_c}"
                            f"/g{gamma}/start{st is not None}")
-                    for be in BACKENDS:
+                    for be in backends("segment_gae"):
                         add(key + "/" + be, lambda be=be, kw=kw: crf.segment_gae(
                             b["r"], b["v"], b["mask"], b["cu"], b["cu_seg"], backend=be, **kw))
     rr = torch.randn(b["R"], generator=b["g"])
-    for mode in ("paper", "stitched"):
+    for mode in modes.REWARD_PLACEMENT:
         add(f"place/{mode}", lambda mode=mode: crf.place_final_rewards(rr, b["mask"], b["cu"], b["cu_seg"], mode=mode))
-        for be in BACKENDS:
+        for be in backends("place_final_rewards"):
             add(f"place/{mode}/{be}", lambda mode=mode, be=be: crf.place_final_rewards(
                 rr, b["mask"], b["cu"], b["cu_seg"], mode=mode, backend=be))
 
@@ -77,18 +92,18 @@ def loss_cases(b, add):
     roll = old + torch.randn(T, generator=g) * 0.1
     adv = torch.randn(T, generator=g)
     ret = torch.randn(T, generator=g)
-    for red in ("token-mean", "segment-mean", "rollout-mean", "sum"):
+    for red in modes.REDUCTION:
         for den in (None, 37.0):
             for name, kw in (("plain", {}), ("asym", dict(clip_low=0.1, clip_high=0.3)), ("dual", dict(dual_clip=3.0)),
                              ("tis", dict(rollout_logprobs=roll, tis_cap=2.0)), ("tis_nocap", dict(rollout_logprobs=roll))):
-                for be in BACKENDS:
+                for be in backends("ppo_policy_loss"):
                     def f(be=be, kw=kw, red=red, den=den):
                         x = lp.clone().requires_grad_()
                         return grad_of(lambda x: crf.ppo_policy_loss(x, old, adv, b["mask"], cu_seqlens=b["cu"],
                                        cu_segments=b["cu_seg"], reduction=red, denominator=den, backend=be, **kw), x)
                     add(f"ppo/{red}/den{den}/{name}/{be}", f)
             for clip in (None, 0.2):
-                for be in BACKENDS:
+                for be in backends("value_loss"):
                     def f(be=be, clip=clip, red=red, den=den):
                         x = b["v"].clone().requires_grad_()
                         return grad_of(lambda x: crf.value_loss(x, b["v"] + 0.1, ret, b["mask"], clip=clip,
@@ -110,7 +125,7 @@ def head_cases(b, add):
     ret = torch.randn(T, generator=g)
     for dt in (torch.float32, torch.bfloat16):
         for with_bias in (False, True):
-            for be in BACKENDS:
+            for be in backends("value_head"):
                 def f(be=be, dt=dt, with_bias=with_bias):
                     hh, ww = h.to(dt).clone().requires_grad_(), w.to(dt).clone().requires_grad_()
                     bb = bias.clone().requires_grad_() if with_bias else None
@@ -119,7 +134,7 @@ def head_cases(b, add):
                     return out, [hh.grad, ww.grad] + ([bb.grad] if with_bias else [])
                 add(f"vhead/{dt}/bias{with_bias}/{be}", f)
     for red in ("token-mean", "rollout-mean"):
-        for be in BACKENDS:
+        for be in backends("value_head"):
             def f(be=be, red=red):
                 hh, ww, bb = h.clone().requires_grad_(), w.clone().requires_grad_(), bias.clone().requires_grad_()
                 return grad_of(lambda hh, ww, bb: crf.value_head_loss(hh, ww, bb, b["v"], ret, b["mask"], clip=0.2,
@@ -134,7 +149,7 @@ def logprob_cases(b, add):
     w = torch.randn(V, H, generator=g) * 0.2
     bias = torch.randn(V, generator=g) * 0.1
     y = torch.randint(0, V, (T,), generator=g)
-    for be in ("torch", "triton"):
+    for be in backends("linear_logprobs"):
         for temp in (1.0, 0.7):
             for chunk in (None, 64):
                 for ent in (False, True):
@@ -202,10 +217,17 @@ def same(a, b):
     return torch.equal(a, b)
 
 
+def renamed(key):
+    """A key of a snapshot saved before "torch-tuned": ".../torch" of the ops whose torch was the tuned path."""
+    op = key.split("/")[1]
+    return key[:-len("torch")] + "torch-tuned" if op in OLD_TORCH_TUNED and key.endswith("/torch") else key
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--save")
     ap.add_argument("--compare")
+    ap.add_argument("--old-names", action="store_true", help="the --compare snapshot predates \"torch-tuned\"")
     a = ap.parse_args()
     snap = collect()
     errors = sum(1 for v in snap.values() if len(v) == 1 and isinstance(v[0], str))
@@ -214,11 +236,16 @@ def main():
         torch.save(snap, a.save)
     if a.compare:
         ref = torch.load(a.compare)
-        diff = [k for k in sorted(set(ref) | set(snap))
-                if k not in ref or k not in snap or len(ref[k]) != len(snap[k])
-                or not all(same(x, y) for x, y in zip(ref[k], snap[k]))]
+        if a.old_names:
+            ref = {renamed(k): v for k, v in ref.items()}
+        new = sorted(set(snap) - set(ref))
+        diff = [k for k in sorted(ref)
+                if k not in snap or len(ref[k]) != len(snap[k]) or not all(same(x, y) for x, y in zip(ref[k], snap[k]))]
         for k in diff[:40]:
-            print("DIFF", k, "" if k in snap and k in ref else "(missing on one side)")
+            print("DIFF", k, "" if k in snap else "(missing in the new snapshot)")
+        for k in new[:40]:
+            print("NEW", k)
+        print(f"{len(new)} new cases")
         print(f"{len(diff)} differences")
         sys.exit(1 if diff else 0)
 

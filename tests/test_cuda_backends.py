@@ -21,6 +21,7 @@ import torch
 
 import compactionrl_fast as crf
 from compactionrl_fast import reference as ref
+from compactionrl_fast.kernels import modes
 from compactionrl_fast.ops._dispatch import available
 from tests.utils import SHAPE_TABLE, check_gae_accuracy, packed_batch, random_case
 
@@ -37,7 +38,7 @@ def _pick(backends):
     return [b for b in backends if not _ONLY or b in _ONLY]
 
 
-BACKENDS = _pick([b for b in available(DEVICE) if b != "torch"])
+BACKENDS = _pick([b for b in available(DEVICE) if b not in ("torch-tuned", "torch")])  # the kernels
 CASES = {k: SHAPE_TABLE[k] for k in ("single_token", "empty_segments", "no_trainable", "long_multiblock",
                                      "four_segments")}
 CASES["random"] = random_case(11, n_rollouts=8, max_len=3000)
@@ -61,7 +62,7 @@ def test_some_backend_runs_on_the_device():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("mode", ["paper", "none", "stitched"])
+@pytest.mark.parametrize("mode", list(modes.CROSS_SEGMENT))
 def test_segment_gae(backend, case, mode):
     for index_dtype, kw in [(torch.int32, dict(cross_segment=mode)),  # the paper's defaults
                             (torch.int64, dict(gamma=0.99, lam=0.95, cross_segment=mode, lam_critic=None)),
@@ -163,7 +164,7 @@ def _within_2x_torch(name, ours, torch_same_dtype, ref64, floor):
     assert e_ours <= 2 * e_torch + floor + ulp, f"{name}: error {e_ours:.3g} vs PyTorch {e_torch:.3g}"
 
 
-VH_BACKENDS = _pick([b for b in available(DEVICE) if b == "triton"] or ["torch"])
+VH_BACKENDS = _pick([b for b in available(DEVICE) if b == "triton"] or ["torch-tuned"])
 
 
 @pytest.mark.parametrize("backend", VH_BACKENDS)
@@ -192,7 +193,7 @@ def test_value_head(backend, dtype, T, H):
     _within_2x_torch("d weight", wd.grad, wt.grad, w64.grad, 1e-6 * (1 + w64.grad.abs().max().item()))
 
 
-LL_BACKENDS = _pick([b for b in available(DEVICE) if b == "triton"] + ["torch"])
+LL_BACKENDS = _pick([b for b in available(DEVICE) if b == "triton"] + ["torch-tuned"])
 
 
 @pytest.mark.parametrize("backend", LL_BACKENDS)

@@ -89,13 +89,15 @@ def make_case(seed, ops=OPS):
     big = rng.random() < 0.04
     T = rng.randint(17000, 20000) if big else rng.choice([0, 1, 2, 3, 7, 16, 33, 100])
     cu, cs, mask = _layout(rng, torch, T)
-    backends = {"segment_gae": ["cpp", "triton", "torch"], "place_final_rewards": ["cpp", "triton", "torch"],
-                "ppo_policy_loss": ["cpp", "triton", "torch"], "value_loss": ["cpp", "triton", "torch"],
-                "value_head": ["cpp", "triton", "torch"], "value_head_loss": ["cpp", "triton", "torch"],
-                "linear_logprobs": ["torch", "triton"], "global_token_count": [None]}[op]
+    from compactionrl_fast.kernels import modes
+    from compactionrl_fast.ops._dispatch import TABLE
+
+    # each op's CPU backends from the dispatch table (value_head_loss: the head's)
+    row = TABLE["value_head" if op == "value_head_loss" else op] if op != "global_token_count" else None
+    backends = list(row["cpu"]) if row else [None]
     backend = rng.choice(backends)
     if big and backend == "triton" and op in ("segment_gae", "linear_logprobs", "value_head"):
-        backend = "torch" if op == "linear_logprobs" else "cpp"
+        backend = "torch-tuned" if op == "linear_logprobs" else "cpp"  # the interpreter: too slow
     dtype = torch.float32 if backend == "triton" else rng.choice([torch.float32, torch.float32, torch.float64,
                                                                    torch.bfloat16, torch.float16])
     extreme = rng.random() < 0.3
@@ -165,13 +167,13 @@ def make_case(seed, ops=OPS):
                                                                            (1e6,) if extreme else (), nan_on),
                   loss_mask=mask, cu_seqlens=cu, cu_segments=cs, gamma=rng.choice([1.0, 0.99, 0.0]),
                   lam=rng.choice(["adaptive", 0.95, 1.0, 0.0]),
-                  cross_segment=rng.choice(["paper", "none", "stitched"]),
+                  cross_segment=rng.choice(list(modes.CROSS_SEGMENT)),
                   lam_critic=rng.choice([1.0, None, 0.9]), adaptive_length=rng.choice(["rollout", "segment"]))
         grad_of = None
     elif op == "place_final_rewards":
         R = (cs.numel() - 1) if cs is not None else (cu.numel() - 1)
         kw.update(rollout_rewards=torch.randn(R, dtype=torch.float64), loss_mask=mask, cu_seqlens=cu,
-                  cu_segments=cs, mode=rng.choice(["paper", "stitched"]))
+                  cu_segments=cs, mode=rng.choice(list(modes.REWARD_PLACEMENT)))
         grad_of = None
     else:
         kw.update(loss_mask=mask)

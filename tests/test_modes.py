@@ -3,6 +3,7 @@ C++ header is the one it generates, the extension was compiled with the same cod
 names from it, and the Triton kernels compare against its constants, not literals."""
 import os
 import re
+import types
 
 import pytest
 
@@ -57,3 +58,35 @@ def test_kernels_compare_modes_by_name():
     for path in files + [os.path.join("compactionrl_fast", "ops", "_reduction.py")]:
         with open(os.path.join(ROOT, path)) as f:
             assert not _LITERAL.search(f.read()), f"{path} compares a mode with a literal"
+
+
+def test_each_cross_mode_says_its_help_rewards_and_counts():
+    """What the trainer, packing and the kernels' launchers read about a cross_segment mode is in the table."""
+    names = set(modes.CROSS_SEGMENT)
+    assert set(modes.CROSS_SEGMENT_HELP) == names
+    assert set(modes.CROSS_REWARDS) == names and set(modes.CROSS_REWARDS.values()) <= set(modes.REWARD_PLACEMENT)
+    assert set(modes.CROSS_COUNTED) <= set(modes.CROSS_SEGMENT.values())
+    assert set(modes.LAM_COUNTED) <= set(modes.LAMBDA.values())
+    assert set(modes.REDUCTION_HELP) <= set(modes.REDUCTION)
+    for cross in modes.CROSS_SEGMENT.values():
+        for lam in modes.LAMBDA.values():
+            assert modes.needs_counts(lam, cross) == (cross in modes.CROSS_COUNTED or lam in modes.LAM_COUNTED)
+
+
+def test_config_help_and_choices_come_from_the_table():
+    import dataclasses
+
+    from compactionrl_fast.train.config import TrainConfig
+    from compactionrl_fast.train.micro_batch import reward_mode
+
+    f = {x.name: x for x in dataclasses.fields(TrainConfig)}
+    for key, table, described in (("cross_segment", modes.CROSS_SEGMENT, modes.CROSS_SEGMENT_HELP),
+                                  ("loss_reduction", modes.REDUCTION, modes.REDUCTION_HELP)):
+        help_ = f[key].metadata["help"]
+        assert help_.startswith(" | ".join(list(described) + [n for n in table if n not in described]) + ": ")
+        assert all(f"{n}: {d}" in help_ for n, d in described.items())
+        for name in table:
+            assert f[key].metadata["check"](name) is None, (key, name)
+        assert f[key].metadata["check"]("no-such-mode") is not None
+    for name, placement in modes.CROSS_REWARDS.items():
+        assert reward_mode(types.SimpleNamespace(cross_segment=name)) == placement

@@ -1,10 +1,13 @@
 """Backend discovery and choice: the one place where an op's backend is picked.
 
-`TABLE` lists each op's backends, fastest first per device type; `available` filters them by what is built
-and importable; `resolve_backend` (what every public function calls) applies the table, the
-COMPACTIONRL_FAST_BACKEND override and the few per-op rules (`_op_rule`). CUDA tensors: triton > cuda >
-torch. CPU tensors: cpp > torch. The Triton kernels run on CPU tensors only under the Triton interpreter
-(TRITON_INTERPRET=1, set before triton is imported); that is how they are tested without a GPU.
+`TABLE` lists each op's backends, fastest first per device type, and the custom op that runs each;
+`available` filters them by what is built and importable; `resolve_backend` (what every op calls) applies
+the table, the COMPACTIONRL_FAST_BACKEND override and the few per-op rules (`_op_rule`), and `custom_op`
+gives the chosen backend's custom op. CUDA tensors: triton > cuda > torch. CPU tensors: cpp > torch.
+"torch" is the naive reference (compactionrl_fast.reference, float64) for every public op; a tuned
+PyTorch path has its own name, "torch-tuned" (value_head, linear_logprobs, place_final_rewards). The
+Triton kernels run on CPU tensors only under the Triton interpreter (TRITON_INTERPRET=1, set before triton
+is imported); that is how they are tested without a GPU.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import os
 
 import torch
 
-BACKENDS = ("auto", "triton", "cuda", "cpp", "torch")
+BACKENDS = ("auto", "triton", "cuda", "cpp", "torch-tuned", "torch")
 
 
 @functools.lru_cache(None)
@@ -57,21 +60,52 @@ def available(device: torch.device) -> list[str]:
             out.append("cpp")
         if has_triton() and triton_interpret():
             out.append("triton")
-    out.append("torch")
+    out += ["torch-tuned", "torch"]  # plain PyTorch: always there
     return out
 
 
-# One table: the backends each op has, fastest first per device type. `available` filters by what is
-# built and importable; `resolve` is the one place that picks.
+# One table: each op's backends, fastest first per device type ("cuda", "cpu"), and the custom op
+# (torch.ops.compactionrl_fast.<name>) that runs each backend ("ops"). A backend missing from "ops" is run in
+# Python by the op itself: "torch", the reference, everywhere. `available` filters the orders by what is built
+# and importable; `resolve` is the one place that picks. The first two rows are internal (the loss ops'
+# reduction weights); their "torch" is the exact formulation on [S] the kernels port.
 TABLE = {
-    "segment_gae": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch")},
-    "segment_params": {"cuda": ("triton", "torch"), "cpu": ("cpp", "triton", "torch")},
-    "place_final_rewards": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch")},
-    "ppo_policy_loss": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch")},
-    "value_loss": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch")},
-    "value_head": {"cuda": ("triton", "torch"), "cpu": ("cpp", "triton", "torch")},
-    "linear_logprobs": {"cuda": ("triton", "torch"), "cpu": ("torch", "triton")},
+    "segment_counts": {"cuda": ("triton", "torch"), "cpu": ("cpp", "torch"),
+                       "ops": {"triton": "segment_counts_triton", "cpp": "segment_counts"}},
+    "segment_weights": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "torch", "triton"),
+                        "ops": {"triton": "segment_weights_triton", "cuda": "segment_weights_triton",
+                                "cpp": "segment_weights"}},
+    "segment_gae": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch"),
+                    "ops": {"triton": "segment_gae_triton", "cuda": "segment_gae", "cpp": "segment_gae"}},
+    "segment_params": {"cuda": ("triton", "torch"), "cpu": ("cpp", "triton", "torch"),
+                       "ops": {"triton": "segment_gae_params_triton", "cpp": "segment_gae_params"}},
+    "place_final_rewards": {"cuda": ("triton", "cuda", "torch-tuned", "torch"),
+                            "cpu": ("cpp", "triton", "torch-tuned", "torch"),
+                            "ops": {"triton": "place_final_rewards_triton", "cuda": "place_final_rewards",
+                                    "cpp": "place_final_rewards", "torch-tuned": "place_final_rewards_torch"}},
+    "ppo_policy_loss": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch"),
+                        "ops": {"triton": "ppo_policy_loss_triton", "cuda": "ppo_policy_loss",
+                                "cpp": "ppo_policy_loss"}},
+    "value_loss": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch"),
+                   "ops": {"triton": "value_loss_triton", "cuda": "value_loss", "cpp": "value_loss"}},
+    "value_head": {"cuda": ("triton", "torch-tuned", "torch"), "cpu": ("cpp", "torch-tuned", "triton", "torch"),
+                   "ops": {"triton": "value_head_fwd_triton", "cpp": "value_head_fwd",
+                           "torch-tuned": "value_head_fwd_torch"}},
+    "linear_logprobs": {"cuda": ("triton", "torch-tuned", "torch"), "cpu": ("torch-tuned", "triton", "torch"),
+                        "ops": {"triton": "linear_logprobs_fwd", "torch-tuned": "linear_logprobs_fwd"}},
 }
+
+
+def has_backend(op: str, backend) -> bool:
+    """Whether TABLE lists `backend` for `op` on some device type ("auto": always)."""
+    return backend == "auto" or backend in TABLE[op]["cuda"] + TABLE[op]["cpu"]
+
+
+def custom_op(op: str, backend: str):
+    """The custom op that runs `op` on `backend` (a TABLE row's "ops" entry), or None: the op runs that
+    backend in Python (the reference)."""
+    name = TABLE[op]["ops"].get(backend)
+    return None if name is None else getattr(torch.ops.compactionrl_fast, name)
 
 
 def default_backend() -> str:
@@ -82,10 +116,10 @@ def default_backend() -> str:
     return b
 
 
-def resolve(backend: str, device: torch.device, supported=BACKENDS, op: str | None = None) -> str:
+def resolve(backend: str, device: torch.device, op: str | None = None) -> str:
     """Map `backend` to a concrete backend for `device`, or raise a ValueError that says why not.
 
-    `op` (a TABLE key) gives the op's own order; `supported` restricts it further. "auto" takes the
+    `op` (a TABLE key) gives the op's own order (without it, every available backend). "auto" takes the
     COMPACTIONRL_FAST_BACKEND override when the op has that backend for the device, else the first
     available backend.
     """
@@ -93,7 +127,7 @@ def resolve(backend: str, device: torch.device, supported=BACKENDS, op: str | No
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     built = available(device)
     order = TABLE[op]["cuda" if device.type == "cuda" else "cpu"] if op is not None else built
-    avail = [b for b in order if b in built and b in supported]
+    avail = [b for b in order if b in built]
     if backend == "auto":
         override = default_backend()
         return override if override in avail else avail[0]
@@ -106,9 +140,10 @@ def resolve(backend: str, device: torch.device, supported=BACKENDS, op: str | No
         "(see COMPACTIONRL_FAST_BUILD_CUDA in the README)",
         "cpp": "the cpp backend needs CPU tensors and the compiled extension compactionrl_fast._C "
         "(pip install --no-build-isolation -e .)",
+        "torch-tuned": "",
         "torch": "",
     }[backend]
-    if backend not in supported or backend not in order:
+    if backend not in order:
         why = f"this op has no {backend} backend"
     raise ValueError(f"backend={backend!r} is not available for {device.type} tensors: {why}")
 
@@ -118,24 +153,26 @@ def _op_rule(op, asked, b, device_type, dtype, placed):
     if op == "value_head" and asked == "auto" and device_type == "cpu":
         # float32: BLAS gemv beats the C++ loop; half precision: the C++ loop (no float32 copy). The Triton
         # interpreter is for tests only.
-        return "cpp" if b == "cpp" and dtype != torch.float32 else "torch"
+        return "cpp" if b == "cpp" and dtype != torch.float32 else "torch-tuned"
     if op == "linear_logprobs" and b == "triton" and device_type != "cuda" and dtype != torch.float32:
         raise ValueError("backend='triton' on CPU tensors (the Triton interpreter) supports float32 only: the "
-                         "interpreter's bf16/fp16 arithmetic is unreliable; use backend='torch'")
+                         "interpreter's bf16/fp16 arithmetic is unreliable; use backend='torch-tuned'")
     if op == "segment_gae" and b == "cuda" and placed:
         if asked == "cuda":
             raise ValueError("seg_start (placed segments) is not supported by the cuda backend: use backend='triton'")
         return "triton"
+    if op == "segment_weights" and b == "cuda" and not has_triton():  # the cuda loss kernels' weights: Triton's
+        return "torch"
     return b
 
 
 @torch._dynamo.assume_constant_result
-def _resolve(backend: str, device_type: str, supported: tuple, op) -> str:
-    return resolve(backend, torch.device(device_type), supported, op)
+def _resolve(backend: str, device_type: str, op) -> str:
+    return resolve(backend, torch.device(device_type), op)
 
 
-def resolve_backend(backend, device, supported=BACKENDS, op=None, *, dtype=None, placed=False):
+def resolve_backend(backend, device, op=None, *, dtype=None, placed=False):
     """`resolve` (seen by torch.compile as a constant: it imports modules and reads the environment, which
     dynamo will not trace), then the op's rule (`dtype`: its main input's; `placed`: segment_gae's seg_start
     given)."""
-    return _op_rule(op, backend, _resolve(backend, device.type, tuple(supported), op), device.type, dtype, placed)
+    return _op_rule(op, backend, _resolve(backend, device.type, op), device.type, dtype, placed)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..kernels import modes
 from ..kernels.modes import REDUCTION_SUM, REDUCTION_TOKEN_MEAN
-from . import _dispatch
+from ._dispatch import custom_op, resolve_backend
 from ._register import register_op
 
 REDUCTIONS = tuple(modes.REDUCTION)  # ("token-mean", "segment-mean", "rollout-mean", "sum")
@@ -48,17 +48,16 @@ def _segment_counts_triton(loss_mask: Tensor, cu_seqlens: Tensor) -> Tensor:
     return launch(loss_mask, cu_seqlens)
 
 
-_CPP_COUNTS = register_op("segment_counts", _segment_counts_fake)
+register_op("segment_counts", _segment_counts_fake)  # the C++ op (csrc/), where built
 register_op("segment_counts_triton", _segment_counts_fake, _segment_counts_triton)
 
 
 def segment_counts(loss_mask, cu_seqlens):
     """Trainable tokens of each segment: int64 [S]. C++ on CPU, a Triton kernel on CUDA (no [T]
     temporary either way), torch elsewhere."""
-    if loss_mask.device.type == "cpu" and _CPP_COUNTS:
-        return torch.ops.compactionrl_fast.segment_counts(loss_mask, cu_seqlens)
-    if loss_mask.device.type == "cuda" and _dispatch.has_triton():
-        return torch.ops.compactionrl_fast.segment_counts_triton(loss_mask, cu_seqlens)
+    op = custom_op("segment_counts", resolve_backend("auto", loss_mask.device, op="segment_counts"))
+    if op is not None:
+        return op(loss_mask, cu_seqlens)
     csum = torch.nn.functional.pad(torch.cumsum(loss_mask, 0), (1, 0))
     return csum[cu_seqlens.long().clamp(0, loss_mask.numel())].diff()
 
@@ -122,28 +121,24 @@ def _segment_weights_triton(loss_mask: torch.Tensor, cu_seqlens: Optional[torch.
     return launch(counts, cu_segments, reduction, den_t if den_t is not None else (den if given else None))
 
 
-_CPP_WEIGHTS = register_op("segment_weights", _segment_weights_fake)
+register_op("segment_weights", _segment_weights_fake)  # the C++ op (csrc/), where built
 register_op("segment_weights_triton", _segment_weights_fake, _segment_weights_triton)
 
 
 # ---------------------------------------------------------------- the weights, by backend
 
 
-def segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator=None, backend=None):
+def segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator=None, backend="auto"):
     """Reduction weight of each segment's tokens: float64 [S] ([1] when cu_seqlens is None).
 
-    One op call: the Triton kernels for backend "triton" and on CUDA (counts, then one program for D
-    and the weights), C++ on CPU; the torch formulation below where neither is there. A negative or
-    NaN tensor denominator gives NaN weights."""
-    device = loss_mask.device
-    den = -1.0 if denominator is None or isinstance(denominator, torch.Tensor) else float(denominator)
-    den_t = denominator if isinstance(denominator, torch.Tensor) else None
-    if device.type == "cpu" and _CPP_WEIGHTS and backend != "triton":
-        return torch.ops.compactionrl_fast.segment_weights(loss_mask, cu_seqlens, cu_segments,
-                                                           modes.REDUCTION[reduction], den, den_t)
-    if (device.type == "cuda" or backend == "triton") and _dispatch.has_triton():
-        return torch.ops.compactionrl_fast.segment_weights_triton(loss_mask, cu_seqlens, cu_segments,
-                                                                  modes.REDUCTION[reduction], den, den_t)
+    `backend`: the loss op's. One op call: the Triton kernels for "triton" and on CUDA (counts, then one
+    program for D and the weights), C++ for "cpp"; the torch formulation below where neither is there
+    (TABLE["segment_weights"]). A negative or NaN tensor denominator gives NaN weights."""
+    op = custom_op("segment_weights", resolve_backend(backend, loss_mask.device, op="segment_weights"))
+    if op is not None:
+        den = -1.0 if denominator is None or isinstance(denominator, torch.Tensor) else float(denominator)
+        den_t = denominator if isinstance(denominator, torch.Tensor) else None
+        return op(loss_mask, cu_seqlens, cu_segments, modes.REDUCTION[reduction], den, den_t)
     return segment_weights_torch(loss_mask, cu_seqlens, cu_segments, reduction, denominator)
 
 

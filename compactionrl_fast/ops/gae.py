@@ -18,7 +18,7 @@ from torch import Tensor
 from ..kernels.modes import CROSS_SEGMENT as CROSS_MODES
 from ..kernels.modes import LAM_ADAPTIVE_ROLLOUT, LAM_ADAPTIVE_SEGMENT, LAM_CONST, LAM_TENSOR, REWARD_PLACEMENT
 from ..reference import gae as ref
-from ._dispatch import resolve_backend
+from ._dispatch import custom_op, resolve_backend
 from ._register import register_op
 from ._validate import FLOAT_DTYPES, check_choice, check_float, check_layout, check_tensor, value_checks
 
@@ -177,7 +177,7 @@ def segment_gae(rewards, values, loss_mask, cu_seqlens, cu_segments=None, *, gam
                                    cross_segment=cross_segment, lam_critic=lam_critic,
                                    adaptive_alpha=alpha, adaptive_length=adaptive_length)
         return adv.float().to(device), ret.float().to(device)
-    op = torch.ops.compactionrl_fast.segment_gae_triton if b == "triton" else torch.ops.compactionrl_fast.segment_gae
+    op = custom_op("segment_gae", b)
     return op(rewards, values, loss_mask.contiguous(), cu_seqlens, cu_segments, lam_seg, gamma, lam_val, lam_mode,
               alpha, CROSS_MODES[cross_segment], lam_c, seg_start)
 
@@ -231,8 +231,7 @@ def segment_params(loss_mask, cu_seqlens, cu_segments=None, *, gamma=1.0, lam="a
                                   lam=lam_seg if lam_seg is not None else (lam if lam_mode != LAM_CONST else lam_val),
                                   cross_segment=cross_segment, lam_critic=lam_critic, adaptive_alpha=alpha,
                                   adaptive_length=adaptive_length).to(device)
-    op = torch.ops.compactionrl_fast.segment_gae_params_triton if b == "triton" else \
-        torch.ops.compactionrl_fast.segment_gae_params
+    op = custom_op("segment_params", b)
     return op(loss_mask.contiguous(), cu_seqlens, cu_segments, lam_seg, gamma, lam_val, lam_mode, alpha,
               CROSS_MODES[cross_segment], lam_c)
 
@@ -254,8 +253,8 @@ def _place_triton(rollout_rewards: Tensor, loss_mask: Tensor, cu_seqlens: Tensor
 
 def _place_final_rewards(rollout_rewards: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, cu_segments: Tensor,
                          stitched: bool) -> Tensor:
-    """The torch backend: the last trainable position at or before every token (one cummax over [T]), read at
-    each segment's (or rollout's) last token. Offsets are clamped, never trusted as indices: bad offsets
+    """The torch-tuned backend: the last trainable position at or before every token (one cummax over [T]),
+    read at each segment's (or rollout's) last token. Offsets are clamped, never trusted as indices: bad offsets
     misplace rewards, nothing more; no host read."""
     T, S, R = loss_mask.numel(), cu_seqlens.numel() - 1, cu_segments.numel() - 1
     device = loss_mask.device
@@ -296,8 +295,8 @@ def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None
         rollout_rewards: [R] float.
         loss_mask: [T] bool; cu_seqlens: [S+1]; cu_segments: [R+1] or None (one segment per rollout).
         mode: "paper" or "stitched".
-        backend: "auto" | "triton" | "cuda" | "cpp" | "torch" (a cummax over the tokens; the float64 oracle is
-            `compactionrl_fast.reference.place_final_rewards`).
+        backend: "auto" | "triton" | "cuda" | "cpp" | "torch-tuned" (a cummax over the tokens) | "torch" (the
+            float64 reference, `compactionrl_fast.reference.place_final_rewards`: a Python loop, for tests).
 
     Example:
         >>> import torch, compactionrl_fast as crf
@@ -312,7 +311,9 @@ def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None
         raise ValueError(f"rollout_rewards must have one reward per rollout (R={R}), got shape "
                          f"{tuple(rollout_rewards.shape)}")
     b = resolve_backend(backend, loss_mask.device, op="place_final_rewards")
-    name = {"triton": "place_final_rewards_triton", "torch": "place_final_rewards_torch"}.get(b, "place_final_rewards")
-    op = getattr(torch.ops.compactionrl_fast, name)  # "place_final_rewards": the C++ op (cpp, cuda)
+    if b == "torch":
+        return ref.place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments, mode).float().to(
+            loss_mask.device)
+    op = custom_op("place_final_rewards", b)
     return op(rollout_rewards.detach().float().contiguous(), loss_mask.contiguous(), cu_seqlens, cu_segments,
               mode == "stitched")

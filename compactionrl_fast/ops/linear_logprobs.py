@@ -2,12 +2,13 @@
 
 The tokens are processed in chunks of C rows: the logits `hidden_c @ W.T + b` of a chunk go into one
 [C, V] buffer (a BLAS / cuBLAS matmul), then the per-row softmax work on z = logits / temperature runs
-on it: in PyTorch ("torch", the CPU default) or in the Triton kernels of kernels/linear_logprobs.py
+on it: in PyTorch ("torch-tuned", the CPU default) or in the Triton kernels of kernels/linear_logprobs.py
 ("triton", the CUDA default). Backward recomputes each chunk's logits, turns them into dL/dz in place
 and runs the two gradient matmuls: 4 matmuls in all where the naive composition runs 3, in exchange
 for O(C * V) memory. `linear_logprobs_loss` is the fused variant: the caller's (token-separable) loss
 is applied inside the forward chunk loop, so the gradients come from the logits still in the buffer
-(3 matmuls).
+(3 matmuls). "torch" is the float64 reference (`compactionrl_fast.reference.linear_logprobs`: the full
+[T, V] logits, one chunk, plain autograd), for tests.
 
 `linear_logprobs` is two custom ops, `compactionrl_fast::linear_logprobs_fwd` (the forward chunk loop)
 and `compactionrl_fast::linear_logprobs_bwd` (the backward one), with fake impls and a registered
@@ -22,6 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..reference.linear_logprobs import linear_logprobs as reference_linear_logprobs
 from ._dispatch import resolve_backend
 from ._linear_logprobs_loop import fused_forward, linear_logprobs_bwd, linear_logprobs_fwd
 from ._register import register_op
@@ -204,7 +206,8 @@ def linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, chun
         temperature: float > 0, the sampler's temperature (logits are divided by it).
         chunk_size: rows per chunk; None picks about 64 MB of fp32 logits on CPU, 512 MB on CUDA.
         return_entropy: also return the entropy -sum_v p log p of each token's distribution.
-        backend: "auto" (CUDA: "triton"; CPU: "torch") | "triton" | "torch".
+        backend: "auto" (CUDA: "triton"; CPU: "torch-tuned") | "triton" | "torch-tuned" | "torch" (the float64
+            reference: [T, V] logits, chunk_size unused).
 
     Returns:
         logprobs [T] float32, or (logprobs [T] float32, entropy [T] float32).
@@ -222,6 +225,10 @@ def linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, chun
     """
     temperature = _check_inputs(hidden, weight, targets, bias, temperature, chunk_size, return_entropy)
     b = resolve_backend(backend, hidden.device, op="linear_logprobs", dtype=hidden.dtype)
+    if b == "torch":
+        out = reference_linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
+                                        return_entropy=return_entropy)
+        return tuple(x.float() for x in out) if return_entropy else out.float()
     T, V = hidden.shape[0], weight.shape[0]
     C = chunk_size if chunk_size is not None else default_chunk_size(T, V, hidden.device)
     C = max(1, min(C, T))
@@ -272,6 +279,12 @@ def linear_logprobs_loss(hidden, weight, targets, token_loss, *, bias=None, temp
         raise TypeError(f"token_loss must be callable (logprobs_c, entropy_c, sl) -> scalar, got "
                         f"{type(token_loss).__name__}")
     b = resolve_backend(backend, hidden.device, op="linear_logprobs", dtype=hidden.dtype)
+    if b == "torch":  # the reference: one chunk of float64 logits, plain autograd
+        out = reference_linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
+                                        return_entropy=True)
+        logp, ent = (x.float() for x in out)
+        loss = token_loss(logp, ent if with_entropy else None, slice(0, hidden.shape[0]))
+        return loss.float(), logp.detach(), (ent.detach() if with_entropy else None)
     T, V = hidden.shape[0], weight.shape[0]
     C = chunk_size if chunk_size is not None else default_chunk_size(T, V, hidden.device)
     C = max(1, min(C, T))

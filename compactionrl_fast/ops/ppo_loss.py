@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..reference import losses as ref
-from ._dispatch import resolve_backend
+from ._dispatch import custom_op, resolve_backend
 from ._reduction import REDUCTIONS, segment_weights
 from ._register import loss_autograd, register_op
 from ._validate import FLOAT_DTYPES, check_choice, check_denominator, check_float, check_layout, check_tensor
@@ -130,7 +130,7 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, cu_seqlens
     seg_scale = segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator, backend=b)
     need_grad = torch.is_grad_enabled() and logprobs.requires_grad
     f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
-    op = torch.ops.compactionrl_fast.ppo_policy_loss_triton if b == "triton" else torch.ops.compactionrl_fast.ppo_policy_loss
+    op = custom_op("ppo_policy_loss", b)
     loss, metrics, _ = op(logprobs.float().contiguous(), f32(old_logprobs), f32(advantages), loss_mask.contiguous(),
                           None if rollout_logprobs is None else f32(rollout_logprobs),
                           None if cu_seqlens is None else cu_seqlens.contiguous(), seg_scale, clip_low, clip_high,

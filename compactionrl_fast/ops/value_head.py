@@ -2,11 +2,12 @@
 followed by the value loss (docs/ops.md).
 
 Backends: "triton" (kernels/value_head.py), "cpp" (csrc/cpu/value_head.cpp: row dot products, the
-backward in one pass over `hidden`) and "torch" (matmuls, in row chunks for bf16/fp16 so that no float32
-copy of `hidden` exists). Each backend is a pair of custom ops (value_head_fwd[_triton|_torch] and
+backward in one pass over `hidden`), "torch-tuned" (matmuls, in row chunks for bf16/fp16 so that no float32
+copy of `hidden` exists) and "torch" (the float64 reference, `compactionrl_fast.reference.value_head`, by
+autograd). Each backend but "torch" is a pair of custom ops (value_head_fwd[_triton|_torch] and
 value_head_bwd[...]), the forward's autograd formula calling the backward. All accumulate in float32 and
 return float32 values; triton and cpp reduce d_weight in a fixed order (bitwise at any thread count),
-torch's matmuls in MKL's (which depends on the CPU and the threads). The backward reads `hidden` once (for
+torch-tuned's matmuls in MKL's (which depends on the CPU and the threads). The backward reads `hidden` once (for
 d_weight; d_hidden needs only the gradient and the weight), so the head plus loss reads `hidden` once
 forward and once backward.
 """
@@ -17,7 +18,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import _dispatch
 from ._dispatch import resolve_backend
+from ..reference import losses as ref
 from ._register import register_op
 from ._validate import check_tensor
 from .value_loss import value_loss
@@ -144,7 +147,6 @@ for _fwd, _bwd, _fwd_impl, _bwd_impl in (("value_head_fwd", "value_head_bwd", No
                                          ("value_head_fwd_torch", "value_head_bwd_torch", _fwd_torch, _bwd_torch)):
     register_op(_bwd, _bwd_fake, _bwd_impl)
     register_op(_fwd, _fwd_fake, _fwd_impl, backward=_backward_of(_bwd), setup_context=_setup_context)
-_FWD = {"cpp": "value_head_fwd", "triton": "value_head_fwd_triton", "torch": "value_head_fwd_torch"}
 
 
 # ---------------------------------------------------------------- public functions
@@ -167,7 +169,8 @@ def value_head(hidden, weight, bias=None, *, backend="auto"):
 
     Args:
         hidden: [T, H] bf16/fp16/fp32. weight: [H] (or an nn.Linear(H, 1) weight [1, H]).
-        bias: one element or None. backend: "auto" | "triton" | "cpp" | "torch".
+        bias: one element or None. backend: "auto" | "triton" | "cpp" | "torch-tuned" | "torch" (the float64
+        reference).
 
     Returns:
         values: [T] float32, differentiable in hidden, weight and bias (gradients in their dtypes).
@@ -180,8 +183,10 @@ def value_head(hidden, weight, bias=None, *, backend="auto"):
     """
     weight = _check_head(hidden, weight, bias)
     b = resolve_backend(backend, hidden.device, op="value_head", dtype=hidden.dtype)
+    if b == "torch":
+        return ref.value_head(hidden, weight, bias).float()
     b32 = None if bias is None else bias.float().reshape(())
-    return getattr(torch.ops.compactionrl_fast, _FWD[b])(hidden.contiguous(), weight.float().contiguous(), b32)
+    return _dispatch.custom_op("value_head", b)(hidden.contiguous(), weight.float().contiguous(), b32)
 
 
 def value_head_loss(hidden, weight, bias, old_values, returns, loss_mask, **value_loss_kwargs):
@@ -189,11 +194,18 @@ def value_head_loss(hidden, weight, bias, old_values, returns, loss_mask, **valu
 
     `hidden` is read once forward and once backward (for d_weight); the [T] values and their gradient are
     the only intermediates. Gradients flow to hidden, weight and bias. `backend` (in the kwargs) picks the
-    loss backend and, where the head has it ("triton", "cpp", "torch"), the head's.
+    head's backend where it has it ("cuda": "auto" then), and the loss's where it has it ("torch-tuned": "auto").
 
     Returns:
         (loss float32 [], metrics dict as for `value_loss`).
     """
-    backend = value_loss_kwargs.get("backend")
-    values = value_head(hidden, weight, bias, backend=backend if backend in ("triton", "cpp", "torch") else "auto")
-    return value_loss(values, old_values, returns, loss_mask, **value_loss_kwargs)
+    backend = value_loss_kwargs.pop("backend", "auto")
+    head = backend if _dispatch.has_backend("value_head", backend) else "auto"
+    loss = backend if _dispatch.has_backend("value_loss", backend) else "auto"
+    _check_head(hidden, weight, bias)
+    if resolve_backend(head, hidden.device, op="value_head", dtype=hidden.dtype) == "torch":
+        # the reference head is plain autograd: it reads no non-trainable row only if they are zeroed (docs/ops.md)
+        check_tensor("loss_mask", loss_mask, dtypes=(torch.bool,), ndim=1, device=hidden.device, numel=hidden.shape[0])
+        hidden = torch.where(loss_mask[:, None], hidden, 0.0)
+    return value_loss(value_head(hidden, weight, bias, backend=head), old_values, returns, loss_mask, backend=loss,
+                      **value_loss_kwargs)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..reference import losses as ref
-from ._dispatch import resolve_backend
+from ._dispatch import custom_op, resolve_backend
 from ._reduction import REDUCTIONS, segment_weights
 from ._register import loss_autograd, register_op
 from ._validate import FLOAT_DTYPES, check_choice, check_denominator, check_float, check_layout, check_tensor
@@ -93,7 +93,7 @@ def value_loss(values, old_values, returns, loss_mask, *, clip=None, cu_seqlens=
     seg_scale = segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator, backend=b)
     need_grad = torch.is_grad_enabled() and values.requires_grad
     f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
-    op = torch.ops.compactionrl_fast.value_loss_triton if b == "triton" else torch.ops.compactionrl_fast.value_loss
+    op = custom_op("value_loss", b)
     loss, metrics, _ = op(values.float().contiguous(), f32(old_values), f32(returns), loss_mask.contiguous(),
                           None if cu_seqlens is None else cu_seqlens.contiguous(), seg_scale,
                           -1.0 if clip is None else clip, need_grad)

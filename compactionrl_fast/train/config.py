@@ -13,8 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from ..ops._reduction import REDUCTIONS
-from ..ops.gae import CROSS_MODES
+from ..kernels import modes
 from . import checks as c
 from .checks import server_urls
 
@@ -174,10 +173,8 @@ class TrainConfig:
     lam_critic: Optional[float] = knob(1.0, c.optional(c.number(0, 1)),
         "lambda of the critic's returns (1: Monte-Carlo returns at gamma=1); null: the advantages' lambda",
         metavar="{FLOAT,null}")
-    cross_segment: str = knob("paper", c.choice(*CROSS_MODES),
-        "paper | none | stitched: GAE across a rollout's segments. paper: each segment's GAE scaled by (gamma*lam)^N, "
-        "N = trainable tokens in later segments; none: unscaled (ablation); stitched: one exact GAE over the rollout's"
-        " segments")
+    cross_segment: str = knob("paper", c.choice(*modes.CROSS_SEGMENT),
+        modes.help_text(modes.CROSS_SEGMENT, "GAE across a rollout's segments", modes.CROSS_SEGMENT_HELP))
     # losses (ppo_policy_loss, value_head_loss)
     clip_low: float = knob(0.2, c.number(0, 1), "PPO ratio clip below: ratios under 1 - clip_low are clipped")
     clip_high: float = knob(0.28, c.number(0),
@@ -189,10 +186,8 @@ class TrainConfig:
         metavar="{FLOAT,null}")
     value_clip: Optional[float] = knob(None, c.optional(c.number(0, open_lo=True)),
         "value-loss clip eps (PPO-style, around the old values); null: unclipped", metavar="{FLOAT,null}")
-    loss_reduction: str = knob("token-mean", c.choice(*REDUCTIONS),
-        "token-mean | segment-mean | rollout-mean | sum: how the policy loss averages tokens. token-mean: over all "
-        "trainable tokens of the global batch (the paper); segment-mean: mean of per-segment means (ablation: w/o "
-        "token-level loss)")
+    loss_reduction: str = knob("token-mean", c.choice(*modes.REDUCTION),
+        modes.help_text(modes.REDUCTION, "how the policy loss averages tokens", modes.REDUCTION_HELP))
     train_summary_tokens: bool = knob(True, c.boolean,
         "true | false: false takes summary tokens out of the policy loss (ablation)", metavar="{true,false}")
     temperature: float = knob(1.0, c.number(0, open_lo=True),

@@ -17,14 +17,15 @@ from typing import Any
 
 import torch
 
+from ..kernels.modes import CROSS_REWARDS
 from ..rollout.records import EXEC, SEGMENT_KINDS
 from . import diagnostics, dist
 from .model import action_index, forward_tables
 
 
 def reward_mode(cfg) -> str:
-    """Where `place_final_rewards` puts the final reward for cfg.cross_segment."""
-    return "stitched" if cfg.cross_segment == "stitched" else "paper"
+    """Where `place_final_rewards` puts the final reward for cfg.cross_segment (kernels/modes.py says)."""
+    return CROSS_REWARDS[cfg.cross_segment]
 
 
 def policy_mask(batch, cfg, seg=None):

@@ -33,10 +33,8 @@ struct SegParams {
   double gl, glc, scale, reset;  // gamma*lam, gamma*lam_critic, adv scale, 1 if nothing flows in from after s
 };
 
-// Whether rollout_params reads the segments' trainable-token counts.
-CRF_HD bool needs_counts(int64_t lam_mode, int64_t cross) {
-  return cross == kCrossPaper || lam_mode == kLamAdaptiveSegment || lam_mode == kLamAdaptiveRollout;
-}
+// Whether rollout_params reads the segments' trainable-token counts (the modes say: kernels/modes.py).
+CRF_HD bool needs_counts(int64_t lam_mode, int64_t cross) { return CRF_NEEDS_COUNTS(lam_mode, cross); }
 
 // SegParams of the segments [s0, s1) of one rollout. counts[s]: trainable tokens of segment s (may be null
 // when neither adaptive lambda nor the paper's scale needs it); cu: token offsets [S+1]; lam_seg: [S] or null.

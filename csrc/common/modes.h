@@ -24,6 +24,17 @@ enum RewardPlacement : int64_t { kRewardPaper = 0, kRewardStitched = 1 };
 
 }  // namespace crf
 
+// Every mode of a group, e.g. for a loop: for (int64_t c : CRF_CROSS_MODES).
+#define CRF_CROSS_MODES {crf::kCrossNone, crf::kCrossPaper, crf::kCrossStitched}
+#define CRF_LAM_MODES {crf::kLamConst, crf::kLamAdaptiveSegment, crf::kLamAdaptiveRollout, crf::kLamTensor}
+#define CRF_REDUCTION_MODES \
+  {crf::kReductionTokenMean, crf::kReductionSegmentMean, crf::kReductionRolloutMean, crf::kReductionSum}
+#define CRF_REWARD_MODES {crf::kRewardPaper, crf::kRewardStitched}
+
+// Whether segment_gae's per-segment numbers read the segments' trainable-token counts.
+#define CRF_NEEDS_COUNTS(lam_mode, cross) \
+  ((cross) == crf::kCrossPaper || (lam_mode) == crf::kLamAdaptiveSegment || (lam_mode) == crf::kLamAdaptiveRollout)
+
 // Every mode as X(group, name, constant), e.g. to expose them to Python (csrc/module.cpp).
 #define CRF_MODES(X) \
   X("cross_segment", "none", crf::kCrossNone) \

@@ -108,7 +108,7 @@ int main() {
   auto cs2 = torch::tensor({0, 1, 5, 6, 13, 20, 21, 30, 37}, torch::kLong);
   const int64_t T = cu2[-1].item<int64_t>();
   auto r2 = torch::randn({T}), v2 = torch::randn({T}), m2 = torch::rand({T}) > 0.3;
-  for (int64_t cross : {crf::kCrossNone, crf::kCrossPaper, crf::kCrossStitched})
+  for (int64_t cross : CRF_CROSS_MODES)
     for (double lamc : {-1.0, 1.0}) {
       auto [a1_, r1_] = op.call(r2, v2, m2, cu2, cs2, std::nullopt, 0.99, 0.0, crf::kLamAdaptiveRollout, 1.5, cross,
                                 lamc, std::nullopt);
@@ -120,7 +120,7 @@ int main() {
     }
   // every SIMD path (crf::cpu_simd; the CPU's best when it lacks one) gives the same bits, on lengths that
   // leave tails after the 8- and 4-token vector steps
-  for (int64_t cross : {crf::kCrossNone, crf::kCrossPaper, crf::kCrossStitched}) {
+  for (int64_t cross : CRF_CROSS_MODES) {
     std::tuple<at::Tensor, at::Tensor> first;
     for (const char* simd : {"auto", "avx2", "none"}) {
       crf::cpu_simd(simd);

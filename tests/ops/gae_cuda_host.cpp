@@ -9,8 +9,7 @@ extern "C" void crf_gae_host(const float* rew, const float* val, const bool* mas
                              double lam, double alpha, double lam_critic, int64_t lam_mode, int64_t cross, int is64,
                              float* adv, float* ret) {
   namespace K = crf::gae_cuda;
-  const bool need_counts = cross == crf::kCrossPaper || lam_mode == crf::kLamAdaptiveSegment ||
-                           lam_mode == crf::kLamAdaptiveRollout;
+  const bool need_counts = crf::needs_counts(lam_mode, cross);
   std::vector<int64_t> counts(need_counts ? S : 0, -1);
   std::vector<crf::SegParams> seg(S);
   std::vector<crf::GaeMap> maps(K::n_tiles(T));

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import compactionrl_fast as crf
+from compactionrl_fast.kernels import modes
 from compactionrl_fast.ops import gae as ops_gae
 from compactionrl_fast.ops._dispatch import available, cpp_ext
 from compactionrl_fast.reference import gae as ref
@@ -46,7 +47,7 @@ if "triton" in available(torch.device("cpu")):
             tl.store(out_ptr + o, tl.associative_scan(tl.load(x_ptr + o).to(tl.int64), 0, _add).to(tl.float64))
 
 BACKENDS = [b for b in ("cpp", "triton", "cuda") if b in available(torch.device("cpu"))]
-MODES = ["paper", "none", "stitched"]
+MODES = list(modes.CROSS_SEGMENT)
 LAMS = [0.95, 1.0, 0.0, "adaptive"]
 
 
@@ -223,7 +224,7 @@ def test_backends_agree_on_empty_batch(backend):
 # ---------------------------------------------------------------- place_final_rewards
 
 
-@pytest.mark.parametrize("mode", ["paper", "stitched"])
+@pytest.mark.parametrize("mode", list(modes.REWARD_PLACEMENT))
 @pytest.mark.parametrize("case", list(SHAPE_TABLE))
 def test_place_final_rewards_matches_reference(mode, case):
     b = packed_batch(SHAPE_TABLE[case], seed=1)
@@ -251,7 +252,7 @@ def test_place_final_rewards_matches_reference_on_random_layouts():
         b = packed_batch(random_case(seed), seed=seed, index_dtype=(torch.int32, torch.int64)[seed % 2])
         R = b["cu_segments"].numel() - 1
         rr = torch.randn(R)
-        for mode in ("paper", "stitched"):
+        for mode in modes.REWARD_PLACEMENT:
             got = crf.place_final_rewards(rr, b["loss_mask"], b["cu_seqlens"], b["cu_segments"], mode=mode)
             want = ref.place_final_rewards(rr, b["loss_mask"], b["cu_seqlens"], b["cu_segments"], mode=mode)
             torch.testing.assert_close(got, want.float(), atol=0, rtol=0)
@@ -371,7 +372,7 @@ def test_triton_blocks_and_chunks_cross_segments(monkeypatch, block, chunk):
     lam_t = torch.rand(S, generator=torch.Generator().manual_seed(7))
     kws = [dict(gamma=0.97), dict(gamma=0.95, lam=lam_t, lam_critic=None),
            dict(gamma=0.99, lam="adaptive", adaptive_length="segment", lam_critic=0.9)]
-    for mode, kw in zip(MODES, kws):
+    for mode, kw in zip(MODES, itertools.cycle(kws)):
         _check_backend("triton", b, cross_segment=mode, **kw)
     b32 = {k: (v.int() if k.startswith("cu_") else v) for k, v in b.items()}
     _check_backend("triton", b32, gamma=0.99, lam=0.9, cross_segment="stitched")
@@ -452,7 +453,7 @@ def test_interp_scan_matches_the_interpreter_loop():
 
 
 @pytest.mark.skipif("triton" not in available(torch.device("cpu")), reason="needs the Triton interpreter")
-@pytest.mark.parametrize("cross", ["paper", "none", "stitched"])
+@pytest.mark.parametrize("cross", MODES)
 @pytest.mark.parametrize("lam,length", [(0.95, "rollout"), ("adaptive", "rollout"), ("adaptive", "segment"),
                                         ("tensor", "rollout")])
 @pytest.mark.parametrize("lam_critic", [1.0, None, 0.9])
@@ -595,7 +596,7 @@ def _placed(b, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS + ["torch"])
-@pytest.mark.parametrize("cross", ["paper", "none", "stitched"])
+@pytest.mark.parametrize("cross", MODES)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_placed_segments_equal_packed(backend, cross, seed):
     """Segments placed anywhere (the rows of a padded batch) give the packed op's numbers at the moved
@@ -628,9 +629,9 @@ def test_placed_segments_bad_starts():
 # ---------------------------------------------------------------- single-pass look-back plan (Triton)
 
 
-LOOKBACK_KW = {"paper": dict(lam="adaptive", adaptive_length="rollout"),
-               "none": dict(lam="adaptive", adaptive_length="segment", lam_critic=None),
-               "stitched": dict(lam=0.9, gamma=0.97, lam_critic=0.8)}
+LOOKBACK_KW = dict(zip(MODES, itertools.cycle([dict(lam="adaptive", adaptive_length="segment", lam_critic=None),
+                                                dict(lam="adaptive", adaptive_length="rollout"),
+                                                dict(lam=0.9, gamma=0.97, lam_critic=0.8)])))
 
 
 @pytest.mark.slow
@@ -687,7 +688,7 @@ def test_nan_value_stays_in_its_recurrence(monkeypatch, plan):
     for k in (trainable[-1], trainable[len(trainable) // 2], trainable[3]):
         values = b["values"].clone()
         values[k] = float("nan")
-        for mode, gamma in [("none", 0.97), ("paper", 0.0), ("stitched", 0.99)]:
+        for mode, gamma in zip(MODES, itertools.cycle((0.97, 0.0, 0.99))):
             kw = dict(gamma=gamma, lam=0.9, cross_segment=mode)
             got = crf.segment_gae(b["rewards"], values, b["loss_mask"], b["cu_seqlens"], b["cu_segments"],
                                   backend="triton", **kw)
@@ -745,6 +746,7 @@ def test_triton_unchecked_bad_offsets_never_crash_in_any_plan():
     script = textwrap.dedent("""
         import functools, torch, compactionrl_fast as crf
         from compactionrl_fast.kernels import gae as kgae
+        from compactionrl_fast.kernels.modes import CROSS_SEGMENT
         fwd = kgae.segment_gae_fwd
         T = 12
         mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
@@ -760,7 +762,8 @@ def test_triton_unchecked_bad_offsets_never_crash_in_any_plan():
                     small = max(abs(c) for c in cu + cs) < 2**31
                     idx = torch.int32 if small and n % 2 else torch.int64
                     adv, ret = crf.segment_gae(x, x, mask, torch.tensor(cu, dtype=idx), torch.tensor(cs, dtype=idx),
-                                               cross_segment=("paper", "none", "stitched")[n % 3], backend="triton")
+                                               cross_segment=list(CROSS_SEGMENT)[n % len(CROSS_SEGMENT)],
+                                               backend="triton")
                     assert adv.shape == ret.shape == (T,)
         print("survived", n)
     """)

@@ -35,8 +35,8 @@ CALLS = [
     ("segment_params lam tensor", lambda b: crf.segment_params(b["mask"], b["cu"], b["cs"],
                                                                lam=torch.full((3,), 0.9, device=b["dev"])), 8),
     ("place_final_rewards", lambda b: crf.place_final_rewards(b["rr"], b["mask"], b["cu"], b["cs"]), 8),
-    ("place_final_rewards stitched torch", lambda b: crf.place_final_rewards(b["rr"], b["mask"], b["cu"], b["cs"],
-                                                                             "stitched", backend="torch"), 8),
+    ("place_final_rewards stitched torch-tuned", lambda b: crf.place_final_rewards(
+        b["rr"], b["mask"], b["cu"], b["cs"], "stitched", backend="torch-tuned"), 8),
     ("ppo_policy_loss token-mean", lambda b: crf.ppo_policy_loss(b["x"], b["y"], b["y"], b["mask"],
                                                                  cu_seqlens=b["cu"], cu_segments=b["cs"]), 8),
     ("ppo_policy_loss denominator", lambda b: crf.ppo_policy_loss(b["x"], b["y"], b["y"], b["mask"], denominator=512.0), 8),

@@ -21,7 +21,7 @@ from tests.utils import RecordOps
 # numbers: make it an error
 pytestmark = pytest.mark.filterwarnings("error:An output with one or more elements was resized")
 
-BACKENDS = ["torch"] + [b for b in ("triton",) if b in available(torch.device("cpu"))]
+BACKENDS = ["torch-tuned"] + [b for b in ("triton",) if b in available(torch.device("cpu"))]
 # (T, H, V): odd sizes, T = 1, V not a multiple of the 2048 vocabulary tile, several tiles
 SHAPES = [(1, 96, 37), (63, 96, 5000), (1000, 96, 300), (100, 64, 2049)]
 
@@ -156,7 +156,7 @@ def test_chunk_sizes_agree(backend):
     h, w, b, y = make(T, H, V, bias=True, seed=5)
     g_lp, g_ent = torch.randn(T), torch.randn(T)
     r_outs, r_grads = run(ref, h, w, b, y, g_lp, g_ent, temperature=0.9)
-    for chunk in (1, 7, 36, 37, 1000) if backend == "torch" else (7, 1000):
+    for chunk in (1, 7, 36, 37, 1000) if backend == "torch-tuned" else (7, 1000):
         outs, grads = run(crf.linear_logprobs, h, w, b, y, g_lp, g_ent, temperature=0.9, chunk_size=chunk,
                           backend=backend)
         for a, r in zip(outs + grads, r_outs + r_grads):
@@ -252,8 +252,8 @@ def ppo_token_loss(old_lp, adv, mask, n, ent_coef):
     return loss
 
 
-@pytest.mark.parametrize("backend,with_entropy", [("torch", False), ("torch", True)]
-                         + [(b, True) for b in BACKENDS if b != "torch"])
+@pytest.mark.parametrize("backend,with_entropy", [("torch-tuned", False), ("torch-tuned", True)]
+                         + [(b, True) for b in BACKENDS if b != "torch-tuned"])
 def test_fused_loss_matches_reference(backend, with_entropy):
     T, H, V = 90, 96, 1100
     h, w, b, y = make(T, H, V, bias=True, seed=9)
@@ -401,7 +401,7 @@ def test_entropy_gradient_precise_at_large_logits(offset):
     h, w, b, y = _exact_large_logits(offset)
     g_lp, g_ent = torch.randn(8, generator=torch.Generator().manual_seed(1)), torch.linspace(-1, 1, 8)
     for g in ((None, g_ent), (g_lp, g_ent), (g_lp, None)):
-        _, grads = run(crf.linear_logprobs, h, w, b, y, *g, backend="torch", chunk_size=3)
+        _, grads = run(crf.linear_logprobs, h, w, b, y, *g, backend="torch-tuned", chunk_size=3)
         _, r_grads = run(ref, h, w, b, y, *g)
         for name, a, r in zip(["d_hidden", "d_weight", "d_bias"], grads, r_grads):
             assert rel(a, r) < 1e-5, (name, g[0] is None, g[1] is None, rel(a, r))
@@ -606,7 +606,7 @@ def test_matches_reference(dtype, chunk_size, entropy):
     for x in (h, w, b):
         x.requires_grad_()
     out = crf.linear_logprobs(h, w, y, bias=b, temperature=0.8, chunk_size=chunk_size, return_entropy=entropy,
-                              backend="torch")
+                              backend="torch-tuned")
     want = ref(h, w, y, bias=b, temperature=0.8, return_entropy=entropy)
     out, want = (out, want) if entropy else ((out,), (want,))
     for o, r in zip(out, want):
@@ -817,7 +817,7 @@ def test_loss_matches_reference(dtype, chunk_size, with_entropy):
     else:
         token_loss = _ppo_like(adv, mask)
     loss, lp, ent = crf.linear_logprobs_loss(h, w, y, token_loss, bias=b, temperature=0.9, chunk_size=chunk_size,
-                                             with_entropy=with_entropy, backend="torch")
+                                             with_entropy=with_entropy, backend="torch-tuned")
     r_lp, r_ent = ref(h, w, y, bias=b, temperature=0.9, return_entropy=True)
     want = -(adv.double() * r_lp * mask.double()).sum() / 5 - (0.1 * r_ent.sum() if with_entropy else 0.0)
     assert loss.dtype == torch.float32 and loss.shape == () and loss.requires_grad
@@ -1024,10 +1024,10 @@ def test_triton_on_cpu_is_float32_only():
     h, w, b, y = _data(torch.bfloat16)
     with pytest.raises(ValueError, match=r"^backend='triton' on CPU tensors \(the Triton interpreter\) supports "
                                          r"float32 only: the interpreter's bf16/fp16 arithmetic is unreliable; use "
-                                         r"backend='torch'$"):
+                                         r"backend='torch-tuned'$"):
         crf.linear_logprobs(h, w, y, backend="triton")
     with pytest.raises(ValueError, match="^backend='triton' on CPU tensors"):
         crf.linear_logprobs_loss(h, w, y, _ppo_like(torch.ones(7), torch.ones(7)), backend="triton")
     resolve = importlib.import_module("compactionrl_fast.ops._dispatch").resolve_backend
-    assert resolve("auto", torch.device("cpu"), op="linear_logprobs", dtype=torch.bfloat16) == "torch"
+    assert resolve("auto", torch.device("cpu"), op="linear_logprobs", dtype=torch.bfloat16) == "torch-tuned"
     assert resolve("triton", torch.device("cpu"), op="linear_logprobs", dtype=torch.float32) == "triton"

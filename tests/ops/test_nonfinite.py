@@ -24,7 +24,7 @@ from compactionrl_fast.reference import losses as ref
 
 CPU = torch.device("cpu")
 LOSS_BACKENDS = [b for b in ("cpp", "triton", "torch") if b in available(CPU)]
-LLP_BACKENDS = ["torch"] + [b for b in ("triton",) if b in available(CPU)]
+LLP_BACKENDS = ["torch-tuned"] + [b for b in ("triton",) if b in available(CPU)]
 # the CUDA C++ kernels too (losses, segment_gae), run on the host (tests/cuda_host_emu.h)
 CUDA_HOST = "cuda-c++-on-host"
 INF, NAN = float("inf"), float("nan")

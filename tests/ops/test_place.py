@@ -1,5 +1,5 @@
 """place_final_rewards on every backend against the float64 reference (compactionrl_fast/reference/gae.py):
-"cpp" (csrc/cpu/place.cpp), "triton" (kernels/place.py, under the interpreter), "torch" (the cummax
+"cpp" (csrc/cpu/place.cpp), "triton" (kernels/place.py, under the interpreter), "torch-tuned" (the cummax
 composite) and the CUDA C++ kernels (csrc/cuda/place_kernels.cuh) run on the host through
 tests/cuda_host_emu.h. Outputs start as NaN (COMPACTIONRL_FAST_POISON, set by tests/conftest.py), so a token
 a kernel forgets to write fails. Layouts: tests/utils.py's shape table (empty segments, segments with no
@@ -24,7 +24,7 @@ from tests.utils import SHAPE_TABLE, RecordOps, packed_batch, random_case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU = torch.device("cpu")
-BACKENDS = [b for b in ("cpp", "triton", "torch") if b in _dispatch.available(CPU)]
+BACKENDS = [b for b in ("cpp", "triton", "torch-tuned", "torch") if b in _dispatch.available(CPU)]
 MODES = ("paper", "stitched")
 IDX = (torch.int32, torch.int64)
 
@@ -95,13 +95,13 @@ def test_backend_argument_is_checked():
 
 
 def test_auto_is_the_first_available_of_cpp_triton_torch():
-    assert _dispatch.TABLE["place_final_rewards"] == {"cuda": ("triton", "cuda", "torch"),
-                                                      "cpu": ("cpp", "triton", "torch")}
+    assert _dispatch.TABLE["place_final_rewards"]["cuda"] == ("triton", "cuda", "torch-tuned", "torch")
+    assert _dispatch.TABLE["place_final_rewards"]["cpu"] == ("cpp", "triton", "torch-tuned", "torch")
     rec = RecordOps()
     with rec:
         crf.place_final_rewards(torch.ones(1), torch.ones(2, dtype=torch.bool), torch.tensor([0, 2]))
     want = {"cpp": "place_final_rewards", "triton": "place_final_rewards_triton",
-            "torch": "place_final_rewards_torch"}[_dispatch.available(CPU)[0]]
+            "torch-tuned": "place_final_rewards_torch"}[_dispatch.available(CPU)[0]]
     assert rec.ops[f"compactionrl_fast.{want}.default"] == 1
 
 
@@ -185,11 +185,11 @@ def _clamped_run(place, label, mask, cu, cs):
         assert not bool(out[~mask].any()), (label, out)  # only trainable tokens get a reward
 
 
-@pytest.mark.parametrize("backend", [b for b in ("triton", "torch") if b in BACKENDS])
+@pytest.mark.parametrize("backend", [b for b in ("triton", "torch-tuned") if b in BACKENDS])
 def test_unchecked_bad_offsets_are_clamped(backend):
     """The kernels that never read offsets on the host clamp them: some rewards, on trainable tokens only."""
     op = getattr(torch.ops.compactionrl_fast, {"triton": "place_final_rewards_triton",
-                                               "torch": "place_final_rewards_torch"}[backend])
+                                               "torch-tuned": "place_final_rewards_torch"}[backend])
     for label, mask, cu, cs in _bad_layouts():
         _clamped_run(op, label, mask, cu, cs)
 

@@ -47,8 +47,7 @@ def test_weights_match_reference(monkeypatch, fn, reduction, layout, den):
         cu = None
     d = {"tensor": torch.tensor([3.0], dtype=torch.float64), "tensor0": torch.tensor(0)}.get(den, den)
     if fn == "fallback":  # no C++ op: the torch formulation through segment_weights
-        monkeypatch.setattr(red, "_CPP_WEIGHTS", False)
-        monkeypatch.setattr(red, "_CPP_COUNTS", False)
+        monkeypatch.setattr(_dispatch, "cpp_ext", lambda: None)
     f = red.segment_weights_torch if fn == "torch" else red.segment_weights
     with RecordOps() as ops:
         w = f(mask, cu, seg, reduction, d)
@@ -167,7 +166,7 @@ def test_segment_counts(monkeypatch, cu):
             got = red.segment_counts(mask, cu)
         assert got.dtype == torch.int64 and got.tolist() == want
         assert ops.ops["compactionrl_fast.segment_counts.default"] == 1
-    monkeypatch.setattr(red, "_CPP_COUNTS", False)
+    monkeypatch.setattr(_dispatch, "cpp_ext", lambda: None)  # no C++ op: the torch formulation
     with RecordOps() as ops:
         got = red.segment_counts(mask, cu.int())
     assert got.tolist() == want and not any(k.startswith("compactionrl_fast.") for k in ops.ops)
@@ -361,8 +360,7 @@ def test_resolve_backend():
     cpu = torch.device("cpu")
     assert _dispatch.resolve_backend("torch", cpu) == "torch"
     assert _dispatch.resolve_backend("auto", cpu, op="segment_gae") == "cpp"
-    assert _dispatch.resolve_backend("auto", cpu, op="linear_logprobs") == "torch"  # the op's own order
-    assert _dispatch.resolve_backend("auto", cpu, ("torch",)) == "torch"
+    assert _dispatch.resolve_backend("auto", cpu, op="linear_logprobs") == "torch-tuned"  # the op's own order
     with pytest.raises(ValueError, match="^backend"):
         _dispatch.resolve_backend("cuda", cpu, op="ppo_policy_loss")
 

@@ -171,10 +171,11 @@ def _built(monkeypatch, *, cpp=True, cuda_ext=False, triton=True, interpret=Fals
 
 
 @pytest.mark.parametrize("cpp,cuda_ext,triton,interpret,want_cpu,want_cuda", [
-    (True, True, True, True, ["cpp", "triton", "torch"], ["triton", "cuda", "torch"]),
-    (True, False, True, False, ["cpp", "torch"], ["triton", "torch"]),
-    (False, False, False, True, ["torch"], ["torch"]),
-    (False, True, False, False, ["torch"], ["torch"]),  # no extension: no cuda backend either
+    (True, True, True, True, ["cpp", "triton", "torch-tuned", "torch"], ["triton", "cuda", "torch-tuned", "torch"]),
+    (True, False, True, False, ["cpp", "torch-tuned", "torch"], ["triton", "torch-tuned", "torch"]),
+    (False, False, False, True, ["torch-tuned", "torch"], ["torch-tuned", "torch"]),
+    # no extension: no cuda backend either
+    (False, True, False, False, ["torch-tuned", "torch"], ["torch-tuned", "torch"]),
 ])
 def test_available(monkeypatch, cpp, cuda_ext, triton, interpret, want_cpu, want_cuda):
     _built(monkeypatch, cpp=cpp, cuda_ext=cuda_ext and cpp, triton=triton, interpret=interpret)
@@ -217,13 +218,13 @@ def test_default_backend(monkeypatch):
 def test_resolve_follows_each_ops_order(monkeypatch):
     _built(monkeypatch, cpp=True, cuda_ext=True, triton=True, interpret=True)
     assert D.resolve("auto", CPU, op="segment_gae") == "cpp"
-    assert D.resolve("auto", CPU, op="linear_logprobs") == "torch"  # torch first for this op on CPU
+    assert D.resolve("auto", CPU, op="linear_logprobs") == "torch-tuned"  # the tuned torch path first on CPU
     assert D.resolve("auto", CUDA, op="value_loss") == "triton"
     assert D.resolve("auto", CUDA, op="place_final_rewards") == "triton"
     assert D.resolve("auto", CPU) == "cpp"  # no op: the built order
-    assert D.resolve("auto", CUDA, supported=("cuda", "torch"), op="segment_gae") == "cuda"
     assert D.resolve("triton", CPU, op="segment_gae") == "triton"
     assert D.resolve("torch", CUDA, op="value_head") == "torch"
+    assert D.resolve("torch-tuned", CUDA, op="value_head") == "torch-tuned"
     monkeypatch.setenv("COMPACTIONRL_FAST_BACKEND", "cuda")
     assert D.resolve("auto", CUDA, op="ppo_policy_loss") == "cuda"
     assert D.resolve("auto", CUDA, op="value_head") == "triton"  # the op has no cuda backend: its own order
@@ -246,18 +247,43 @@ def test_resolve_says_why_a_backend_is_missing(monkeypatch):
         D.resolve("cuda", CUDA, op="segment_gae")
     with pytest.raises(ValueError, match="no cuda backend"):
         D.resolve("cuda", CUDA, op="linear_logprobs")
-    with pytest.raises(ValueError, match="no torch backend"):
-        D.resolve("torch", CPU, supported=("cpp",), op="segment_gae")
+    with pytest.raises(ValueError, match="no torch-tuned backend"):
+        D.resolve("torch-tuned", CPU, op="segment_gae")
     monkeypatch.setattr(D, "_HAS_TRITON", False)
     with pytest.raises(ValueError, match="triton is not installed"):
         D.resolve("triton", CUDA, op="segment_gae")
 
 
 def test_table_covers_every_op_with_torch():
-    for op, per_device in D.TABLE.items():
-        assert set(per_device) == {"cuda", "cpu"}
-        for order in per_device.values():
+    for op, row in D.TABLE.items():
+        assert set(row) == {"cuda", "cpu", "ops"}
+        for order in (row["cuda"], row["cpu"]):
             assert "torch" in order and set(order) <= set(D.BACKENDS) - {"auto"}
+        # "torch" is the reference, run in Python by the op; every other backend is a registered custom op
+        assert set(row["ops"]) == set(row["cuda"] + row["cpu"]) - {"torch"}, op
+        for b, name in row["ops"].items():
+            assert D.custom_op(op, b) is getattr(torch.ops.compactionrl_fast, name)
+        assert D.custom_op(op, "torch") is None
+
+
+def test_torch_is_the_reference_for_every_public_op():
+    """backend="torch" gives the float64 reference's numbers (as float32) for the ops that have a tuned path."""
+    import compactionrl_fast as crf
+    from compactionrl_fast.reference import gae as ref_gae, losses as ref_losses
+    from compactionrl_fast.reference.linear_logprobs import linear_logprobs as ref_llp
+
+    g = torch.Generator().manual_seed(0)
+    h, w, bias = torch.randn(9, 5, generator=g), torch.randn(5, generator=g), torch.randn((), generator=g)
+    assert torch.equal(crf.value_head(h, w, bias, backend="torch"), ref_losses.value_head(h, w, bias).float())
+    W, y = torch.randn(7, 5, generator=g), torch.randint(0, 7, (9,), generator=g)
+    lp, ent = crf.linear_logprobs(h, W, y, temperature=0.7, return_entropy=True, chunk_size=2, backend="torch")
+    rlp, rent = ref_llp(h, W, y, temperature=0.7, return_entropy=True)
+    assert torch.equal(lp, rlp.float()) and torch.equal(ent, rent.float())
+    mask = torch.rand(9, generator=g) < 0.6
+    cu, cu_seg, rr = torch.tensor([0, 0, 4, 5, 9]), torch.tensor([0, 3, 4]), torch.randn(2, generator=g)
+    for mode in ("paper", "stitched"):
+        out = crf.place_final_rewards(rr, mask, cu, cu_seg, mode=mode, backend="torch")
+        assert torch.equal(out, ref_gae.place_final_rewards(rr, mask, cu, cu_seg, mode=mode).float())
 
 
 def test_dispatch_table_and_override(monkeypatch):
@@ -266,6 +292,9 @@ def test_dispatch_table_and_override(monkeypatch):
     monkeypatch.setenv("COMPACTIONRL_FAST_BACKEND", "torch")
     assert D.resolve("auto", cpu, op="segment_gae") == "torch"
     assert D.resolve("auto", cpu, op="linear_logprobs") == "torch"
+    monkeypatch.setenv("COMPACTIONRL_FAST_BACKEND", "torch-tuned")  # ops without it keep their own order
+    assert D.resolve("auto", cpu, op="linear_logprobs") == "torch-tuned"
+    assert D.resolve("auto", cpu, op="segment_gae") == D.available(cpu)[0]
     monkeypatch.setenv("COMPACTIONRL_FAST_BACKEND", "cuda")  # not for CPU tensors: falls back to the table
     assert D.resolve("auto", cpu, op="segment_gae") == D.available(cpu)[0]
     monkeypatch.setenv("COMPACTIONRL_FAST_BACKEND", "fastest")
@@ -278,20 +307,23 @@ def test_dispatch_table_and_override(monkeypatch):
 def test_op_rules():
     """The per-op exceptions to the table (`_op_rule`), and `resolve_backend` applying them."""
     rule, f32, bf16 = D._op_rule, torch.float32, torch.bfloat16
-    # value_head "auto" on CPU: C++ for half precision, BLAS (torch) for float32 and without the C++ op
+    # value_head "auto" on CPU: C++ for half precision, BLAS (torch-tuned) for float32 and without the C++ op
     assert rule("value_head", "auto", "cpp", "cpu", bf16, False) == "cpp"
-    assert rule("value_head", "auto", "cpp", "cpu", f32, False) == "torch"
-    assert rule("value_head", "auto", "triton", "cpu", bf16, False) == "torch"
+    assert rule("value_head", "auto", "cpp", "cpu", f32, False) == "torch-tuned"
+    assert rule("value_head", "auto", "triton", "cpu", bf16, False) == "torch-tuned"
     assert rule("value_head", "cpp", "cpp", "cpu", f32, False) == "cpp"  # asked for: kept
     assert rule("value_head", "auto", "triton", "cuda", f32, False) == "triton"
     # linear_logprobs: the interpreter runs float32 only
     with pytest.raises(ValueError, match=r"^backend='triton' on CPU tensors \(the Triton interpreter\) supports "
                                          r"float32 only: the interpreter's bf16/fp16 arithmetic is unreliable; use "
-                                         r"backend='torch'$"):
+                                         r"backend='torch-tuned'$"):
         rule("linear_logprobs", "auto", "triton", "cpu", bf16, False)
     assert rule("linear_logprobs", "triton", "triton", "cpu", f32, False) == "triton"
     assert rule("linear_logprobs", "triton", "triton", "cuda", bf16, False) == "triton"
     assert rule("linear_logprobs", "torch", "torch", "cpu", bf16, False) == "torch"
+    assert rule("linear_logprobs", "torch-tuned", "torch-tuned", "cpu", bf16, False) == "torch-tuned"
+    # segment_weights (the loss ops' reduction weights): the cuda loss kernels take Triton's, else torch's
+    assert rule("segment_weights", "cuda", "cuda", "cuda", f32, False) == ("cuda" if D.has_triton() else "torch")
     # segment_gae: placed segments are not on the cuda backend
     assert rule("segment_gae", "auto", "cuda", "cuda", f32, True) == "triton"
     with pytest.raises(ValueError, match=r"^seg_start \(placed segments\) is not supported by the cuda backend: use "
@@ -301,16 +333,17 @@ def test_op_rules():
     assert rule("segment_gae", "auto", "triton", "cuda", f32, True) == "triton"
     assert rule("ppo_policy_loss", "auto", "cpp", "cpu", f32, True) == "cpp"
     assert rule(None, "auto", "cpp", "cpu", bf16, False) == "cpp"
-    assert D.resolve_backend("auto", CPU, op="value_head", dtype=f32) == "torch"
+    assert D.resolve_backend("auto", CPU, op="value_head", dtype=f32) == "torch-tuned"
     assert D.resolve_backend("auto", CPU, op="value_head", dtype=bf16) == D.resolve("auto", CPU, op="value_head")
-    assert D.resolve_backend("torch", CPU, ("torch",)) == "torch"
+    assert D.resolve_backend("torch", CPU) == "torch"
 
 
 def test_resolve_backend_passes_the_op_and_its_facts(monkeypatch):
     _built(monkeypatch, cpp=True, cuda_ext=True, triton=True, interpret=False)
-    assert D.resolve_backend("auto", CPU, op="linear_logprobs") == "torch"  # the op's order, not the built one
-    assert D.resolve_backend("auto", CUDA, ("cuda", "torch"), op="segment_gae") == "cuda"  # placed=False default
-    assert D.resolve_backend("auto", CUDA, ("cuda", "torch"), op="segment_gae", placed=True) == "triton"
+    assert D.resolve_backend("auto", CPU, op="linear_logprobs") == "torch-tuned"  # the op's order, not the built one
+    monkeypatch.setenv("COMPACTIONRL_FAST_BACKEND", "cuda")
+    assert D.resolve_backend("auto", CUDA, op="segment_gae") == "cuda"  # placed=False default
+    assert D.resolve_backend("auto", CUDA, op="segment_gae", placed=True) == "triton"
 
 
 def test_check_denominator_names_its_range():

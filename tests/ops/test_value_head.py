@@ -18,7 +18,7 @@ from compactionrl_fast.reference import losses as ref
 from tests.utils import RecordOps, SHAPE_TABLE, packed_batch
 
 vh = importlib.import_module("compactionrl_fast.ops.value_head")  # the package exports the function
-BACKENDS = ("cpp", "torch")
+BACKENDS = ("cpp", "torch-tuned")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 # an out= slice of the wrong length is resized (with this warning) and may still get the right numbers: an error
@@ -79,7 +79,7 @@ def test_torch_path_row_chunks(monkeypatch):
         w.requires_grad_()
         with monkeypatch.context() as m:
             fwd = _count_inside(m, "_torch_fwd")
-            out = crf.value_head(h, w, b, backend="torch")
+            out = crf.value_head(h, w, b, backend="torch-tuned")
         g = torch.linspace(-1, 2, 10)
         with monkeypatch.context() as m:
             bwd = _count_inside(m, "_torch_bwd")
@@ -90,7 +90,7 @@ def test_torch_path_row_chunks(monkeypatch):
         torch.testing.assert_close(gw.double(), h.double().T @ g.double(), rtol=TOL[dtype], atol=TOL[dtype])
     h[4, 2] = float("nan")
     g[4] = 0.0
-    out = crf.value_head(h, w, b, backend="torch")
+    out = crf.value_head(h, w, b, backend="torch-tuned")
     with monkeypatch.context() as m:
         bwd = _count_inside(m, "_torch_bwd")
         (gw,) = torch.autograd.grad(out, w, g)
@@ -185,7 +185,7 @@ def test_an_inf_row_with_a_gradient_gives_inf():
     h, w, _ = _data(torch.float32)
     h[4, 2] = float("inf")
     w.requires_grad_()
-    (gw,) = torch.autograd.grad(crf.value_head(h, w, backend="torch"), w, torch.ones(10))
+    (gw,) = torch.autograd.grad(crf.value_head(h, w, backend="torch-tuned"), w, torch.ones(10))
     assert gw[2] == float("inf") and torch.isfinite(gw[[0, 1, 3, 4, 5, 6, 7]]).all()
 
 
@@ -325,7 +325,7 @@ def test_cpp_op_arguments():
 
 
 @pytest.mark.usefixtures("_modest_chunk_budget")
-@pytest.mark.parametrize("backend", ["cpp", "torch", "auto"])
+@pytest.mark.parametrize("backend", ["cpp", "torch-tuned", "torch", "auto"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_value_head_loss(backend, dtype):
     h, w, b = _data(dtype)
@@ -339,9 +339,10 @@ def test_value_head_loss(backend, dtype):
     with RecordOps() as rec:
         loss, m = crf.value_head_loss(h, w, b, old, ret, mask, **kw)
     names = [f for f, _ in rec.calls]
-    head = ["compactionrl_fast.value_head_fwd_torch.default"] if backend == "torch" or (
-        backend == "auto" and dtype == torch.float32) else \
-        ["compactionrl_fast.value_head_fwd.default"]  # "auto" on CPU: BLAS for float32, C++ for bf16
+    # "auto" on CPU: BLAS for float32, C++ for bf16; "torch": the reference head and loss, no custom op
+    tuned = backend == "torch-tuned" or (backend == "auto" and dtype == torch.float32)
+    head = [] if backend == "torch" else ["compactionrl_fast.value_head_fwd_torch.default"] if tuned else \
+        ["compactionrl_fast.value_head_fwd.default"]
     loss_ops = [] if backend == "torch" else ["compactionrl_fast.segment_weights.default",
                                               "compactionrl_fast.value_loss.default"]
     assert names == head + loss_ops
@@ -414,7 +415,7 @@ def test_refused_naming_the_argument(args, err, match):
 # ---------------------------------------------------------------- every backend against the float64 reference
 
 
-HEAD_BACKENDS = ["torch"] + [b for b in ("cpp", "triton") if b in available(torch.device("cpu"))]
+HEAD_BACKENDS = ["torch-tuned", "torch"] + [b for b in ("cpp", "triton") if b in available(torch.device("cpu"))]
 SHAPES = [(1, 1), (7, 33), (100, 129), (257, 300)]  # odd T and H, several blocks in both
 
 
@@ -484,7 +485,7 @@ def test_value_head_deterministic_across_thread_counts(backend):
     finally:
         torch.set_num_threads(threads)
     for other in runs[1:]:
-        if backend != "torch":
+        if backend not in ("torch-tuned", "torch"):  # MKL's matmuls round by thread count
             assert all(torch.equal(x, y) for x, y in zip(runs[0], other))
             continue
         (out, dh, dw, db), (out2, dh2, dw2, db2) = runs[0], other
@@ -506,7 +507,7 @@ def test_value_head_torch_path_over_many_chunks(monkeypatch, dtype):
     monkeypatch.setattr(vh, "CHUNK_ELEMS", 64 * 40)  # 40 rows per chunk at H = 64
     T, H = 350, 64
     hidden, weight, bias, g = head_inputs(T, H, dtype, seed=6)
-    out, dh, dw, db = grads(lambda h, w, b: crf.value_head(h, w, b, backend="torch"), hidden, weight, bias, g)
+    out, dh, dw, db = grads(lambda h, w, b: crf.value_head(h, w, b, backend="torch-tuned"), hidden, weight, bias, g)
     rout, rdh, rdw, rdb = grads(ref.value_head, hidden.double(), weight.double(), bias.double(), g.double())
     ulp = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -23}[dtype]
     scale = (hidden.double().abs().t() @ g.double().abs())
@@ -514,12 +515,12 @@ def test_value_head_torch_path_over_many_chunks(monkeypatch, dtype):
     assert ((out.double() - rout).abs() <= 1e-5 * (hidden.double().abs() @ weight.double().abs() + 1)).all()
 
 
-@pytest.mark.parametrize("backend", HEAD_BACKENDS)
+@pytest.mark.parametrize("backend", [b for b in HEAD_BACKENDS if b != "torch"])  # the reference is plain autograd
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_value_head_loss_ignores_non_finite_masked_rows(backend, dtype, value):
     """A NaN/inf hidden row or return at a masked position must not reach grad_weight / grad_bias on any
-    backend: the same gradients as with finite values there."""
+    backend but the reference: the same gradients as with finite values there."""
     if backend == "triton" and dtype != torch.float32:
         pytest.skip("the interpreter's bf16 is broken")
     b = packed_batch(SHAPE_TABLE["four_segments"], seed=4)

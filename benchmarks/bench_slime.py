@@ -16,6 +16,8 @@ process (world 1, megatron-core's parallel state over gloo), 1 thread. Rows, int
   (`compaction_cross_segment: none`): what slime's estimator means, done on the trainable tokens;
 - "ours, paper": the paper's recipe (adaptive lambda, cross-segment factor, lam_critic 1);
 - "... estimator only": the same without slime's per-sample KL computation both rows share (KL precomputed).
+- "floor: cat + split of the lists": one torch.cat per input list and one split per output, what any estimator
+  over slime's per-sample lists pays; "place + GAE on packed tensors": our two ops on the batch already packed.
 
 Errors, over trainable tokens: each row against the float64 reference of its own recipe
 (`compactionrl_fast.reference.gae`), and slime's advantages against the float64 reference of
@@ -77,6 +79,35 @@ def batch(R, tokens, seed=0):
             rd["log_probs"].append(-torch.rand(n, generator=g))
             rd["ref_log_probs"].append(-torch.rand(n, generator=g))
     return rd
+
+
+FLOOR = "floor: cat + split of the lists"
+OPS = "place + GAE on packed tensors"
+
+
+def floor(rd):
+    """What any estimator over slime's per-sample lists pays: one cat per input key (loss_masks, values, kl)
+    and one split per output (advantages, returns) back into per-sample tensors."""
+    lengths = rd["response_lengths"]
+    torch.cat(rd["loss_masks"])
+    torch.cat(rd["values"]).split(lengths)
+    torch.cat(rd["kl"]).split(lengths)
+
+
+def ops_only(rd, **gae):
+    """place_final_rewards + segment_gae(**gae) on the batch already packed (R rollouts of 4 segments)."""
+    import compactionrl_fast as crf
+
+    mask = torch.cat(rd["loss_masks"]).bool()
+    values = torch.cat(rd["values"])
+    cu_seqlens = torch.tensor([0] + list(rd["response_lengths"])).cumsum(0)
+    cu_segments = torch.arange(0, len(rd["response_lengths"]) + 1, 4)
+    rr = torch.tensor(rd["rewards"][::4], dtype=torch.float32)
+
+    def fn():
+        rewards = crf.place_final_rewards(rr, mask, cu_seqlens, cu_segments)
+        crf.segment_gae(rewards, values, mask, cu_seqlens, cu_segments, **gae)
+    return fn
 
 
 def slime_args(**kw):
@@ -162,11 +193,13 @@ def main():
 
         fns["slime ppo, estimator only"] = slime_estimator
         fns["ours, paper, estimator only"] = lambda: compute_advantages(recipes["ours, paper"][0], dict(kl_done))
-        for fn in list(fns.values())[-2:]:
+        fns[FLOOR] = lambda: floor(kl_done)
+        fns[OPS] = ops_only(kl_done, **recipes["ours, paper"][1])
+        for fn in list(fns.values())[-4:]:
             fn()
         timing = H.time_round_robin(fns, torch.device("cpu"), budget_s=a.budget_s)
         refs = {name: reference(rd, **gae) for name, (_, gae) in recipes.items() if name != "slime ppo"}
-        for name in ("slime ppo, estimator only", "ours, paper, estimator only"):
+        for name in ("slime ppo, estimator only", "ours, paper, estimator only", FLOOR, OPS):
             rows.append(dict(shape=shape, name=name, tokens=T, **timing[name], env=env))
         for name in recipes:
             ref_name = "ours, lam 0.95 none" if name == "slime ppo" else name
@@ -197,6 +230,10 @@ def main():
              "tokens only (observations skipped, the reward once on the last trainable token); ours against "
              "the float64 reference of its own options",
              "vs paper: slime ppo's advantages against the paper's recipe (adaptive lambda, cross-segment factor)",
+             f"{FLOOR!r}: one torch.cat per input (loss_masks, values, kl) and one split per output (advantages, "
+             "returns), what any estimator that takes and returns slime's per-sample lists pays; "
+             f"{OPS!r}: place_final_rewards + segment_gae (C++) on tensors already packed, the paper's options. "
+             "ours minus the floor is our own cost: ordering, checks, the ops",
              f"machine load at start {env['loadavg_at_start']} (a shared 2-core VM: absolute times vary, the "
              "ratios were measured in the same rounds)"]
     H.report("slime's advantage step: built-in ppo vs compute_advantages (CPU, 1 thread)", rows, cols, env, notes,

@@ -92,20 +92,62 @@ class _Rows:
             getattr(self, k).extend(getattr(other, k))
 
     def order(self):
-        """Sample indices rollout by rollout (first appearance), segments by index."""
-        first = {}
-        for r in self.rid:
-            first.setdefault(r, len(first))
-        return sorted(range(len(self)), key=lambda i: (first[self.rid[i]], self.seg[i] or 0))
+        """Sample indices rollout by rollout (first appearance), segments by index; None when the samples are in
+        that order already (then packing and unpacking keep list order)."""
+        first = {r: k for k, r in enumerate(dict.fromkeys(self.rid))}
+        keys = [(first[r], s or 0) for r, s in zip(self.rid, self.seg)]
+        if all(a <= b for a, b in zip(keys, keys[1:])):
+            return None
+        return sorted(range(len(self)), key=keys.__getitem__)
 
 
-def _local_rows(rollout_data, cp_size):
-    """This rank's samples (values and KL over whole responses) and the first problem found (None)."""
+def _require_keys(rollout_data):
     missing = [k for k in _NEEDED if k not in rollout_data]
     if missing:
         raise ValueError(f"rollout_data has no {missing}: this slime lacks the hooks compute_advantages needs "
                          "(rollout_ids and partition kept by _split_train_data_by_dp, as in slime 0.3.1 at "
                          "624b824); call it through --custom-advantage-function-path")
+
+
+def _columns(rollout_data):
+    """cp = 1: this rank's samples as _Rows filled column by column from slime's per-sample lists (python
+    numbers, slime's own tensors: no per-sample tensor work), and the first problem found (None)."""
+    _require_keys(rollout_data)
+    n = len(rollout_data["loss_masks"])
+    segs, values, kl = rollout_data.get("round_number"), rollout_data.get("values"), rollout_data.get("kl")
+    for key in _NEEDED + ("round_number", "values", "kl"):
+        if rollout_data.get(key) is not None and len(rollout_data[key]) != n:
+            return _Rows(), (f"rollout_data[{key!r}] has {len(rollout_data[key])} entries, loss_masks has {n}: "
+                             "one entry per sample expected")
+    rows = _Rows()
+    rows.mask = list(rollout_data["loss_masks"])
+    if not (all(map(torch.is_tensor, rows.mask)) and set(map(torch.Tensor.dim, rows.mask)) <= {1}):
+        rows.mask = [torch.as_tensor(m).reshape(-1) for m in rows.mask]
+    rows.part = list(map(int, rollout_data["partition"]))
+    rows.rid = list(map(int, rollout_data["rollout_ids"]))
+    rows.seg = [None] * n if segs is None else list(map(int, segs))
+    rows.reward = list(map(float, rollout_data["rewards"]))
+    rows.values = [None] * n if values is None else list(values)
+    rows.kl = [None] * n if kl is None else list(kl)
+    resp = list(map(int, rollout_data["response_lengths"]))
+    bad = []  # (sample, check order, name, entries) of each column's first wrong length
+    for c, (name, col) in enumerate((("loss_mask", rows.mask), ("values", values), ("kl", kl))):
+        sizes = None if col is None else list(map(torch.Tensor.numel, col))
+        if sizes is not None and sizes != resp:
+            i = next(i for i, (a, b) in enumerate(zip(sizes, resp)) if a != b)
+            bad.append((i, c, name, sizes[i]))
+    if not bad:
+        return rows, None
+    i, _, name, got = min(bad)
+    where = f"sample {rows.part[i]} (rollout {rows.rid[i]})"
+    if name == "loss_mask":
+        return rows, f"{where}: loss_mask has {got} entries, response_length is {resp[i]}"
+    return rows, f"{where}: {name} has {got} entries, expected {resp[i]} (the response's length)"
+
+
+def _local_rows(rollout_data, cp_size):
+    """This rank's samples (values and KL over whole responses) and the first problem found (None)."""
+    _require_keys(rollout_data)
     segs = rollout_data.get("round_number")
     values, kl = rollout_data.get("values"), rollout_data.get("kl")
     rows, error = _Rows(), None
@@ -162,8 +204,9 @@ def _check_rollouts(metas, untrainable):
                                      "Set compaction_untrainable: allow to accept such samples (zero advantages)")
 
 
-def _remote_rows(rows, metas, dp_rank, group, dp_size):
-    """The samples of other ranks that belong to rollouts this rank holds (exchanged only for split rollouts)."""
+def _remote_rows(rows, metas, dp_rank, group, dp_size, device):
+    """The samples of other ranks that belong to rollouts this rank holds (exchanged only for split rollouts):
+    masks on the device of this rank's masks (slime moves loss_masks to the GPU), values and KL on `device`."""
     ranks_of = {}
     for r, (rs, _) in enumerate(metas):
         for _, rid, _, _, _ in rs:
@@ -173,33 +216,54 @@ def _remote_rows(rows, metas, dp_rank, group, dp_size):
         return None
     mine = rows.select(lambda i: rows.rid[i] in split)
     for k in ("mask", "values", "kl"):
-        setattr(mine, k, [None if x is None else x.cpu() for x in getattr(mine, k)])
+        setattr(mine, k, [None if x is None else x.detach().cpu() for x in getattr(mine, k)])
     held, remote = set(rows.rid), _Rows()
     for r, theirs in enumerate(_all_gather(mine, group, dp_size)):
         if r != dp_rank:
             remote.extend(theirs.select(lambda i: theirs.rid[i] in held))
+    for k, to in (("mask", rows.mask[0].device if rows else device), ("values", device), ("kl", device)):
+        setattr(remote, k, [None if x is None else x.to(to) for x in getattr(remote, k)])
     return remote
 
 
 def _cat(parts, lengths, device, dtype):
+    """parts [n_i] (or None: zeros) packed into [sum n_i] of `dtype` on `device`; None when every part is None."""
     if all(p is None for p in parts):
         return None
-    return torch.cat([torch.zeros(n, device=device) if p is None else p.to(device) for p, n in zip(parts, lengths)]
-                     ).to(dtype)
+    if any(p is None for p in parts):
+        parts = [torch.zeros(n, device=device) if p is None else p for p, n in zip(parts, lengths)]
+    return torch.cat(parts).detach().to(device=device, dtype=dtype)
 
 
 def _packed(rows, order, device):
     """(mask [T] bool, values [T] or None, kl [T] or None, lengths, cu_seqlens [S+1], cu_segments [R+1],
-    rollout rewards [R]) of `rows` in `order`."""
-    lengths = [rows.mask[i].numel() for i in order]
-    mask = torch.cat([rows.mask[i] for i in order]).to(device).ne(0)
-    values = _cat([rows.values[i] for i in order], lengths, device, torch.float32)
-    kl = _cat([rows.kl[i] for i in order], lengths, device, torch.float32)
-    starts = [k for k in range(len(order)) if k == 0 or rows.rid[order[k]] != rows.rid[order[k - 1]]]
+    rollout rewards [R]) of `rows` in `order` (None: list order)."""
+    def take(col):
+        return col if order is None else [col[i] for i in order]
+
+    masks, rid, reward = take(rows.mask), take(rows.rid), take(rows.reward)
+    lengths = [m.numel() for m in masks]
+    mask = torch.cat(masks).to(device).bool()
+    values = _cat(take(rows.values), lengths, device, torch.float32)
+    kl = _cat(take(rows.kl), lengths, device, torch.float32)
+    starts = [0] + [k for k in range(1, len(rid)) if rid[k] != rid[k - 1]]
     cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(device)
-    cu_segments = torch.tensor(starts + [len(order)], dtype=torch.int64, device=device)
-    rr = torch.tensor([rows.reward[order[k]] for k in starts], dtype=torch.float32, device=device)
+    cu_segments = torch.tensor(starts + [len(rid)], dtype=torch.int64, device=device)
+    rr = torch.tensor([reward[k] for k in starts], dtype=torch.float32, device=device)
     return mask, values, kl, lengths, cu_seqlens, cu_segments, rr
+
+
+def _plainly_valid(rows, order, counts, starts, untrainable):
+    """True when the samples (packed in `order`, rollouts beginning at `starts`) pass _check_rollouts
+    on one rank; False sends them to _check_rollouts for its error."""
+    if untrainable == "error" and 0 in counts:
+        return False
+    seg = rows.seg if order is None else [rows.seg[i] for i in order]
+    reward = rows.reward if order is None else [rows.reward[i] for i in order]
+    for a, b in zip(starts, starts[1:]):
+        if seg[a:b] != list(range(b - a)) or reward[a:b].count(reward[a]) != b - a:
+            return False
+    return True
 
 
 def compute_advantages(args, rollout_data) -> None:
@@ -223,19 +287,26 @@ def compute_advantages(args, rollout_data) -> None:
     if extra["kl_coef"] != 0 and rollout_data.get("kl") is None:
         raise ValueError("--kl-coef is set but rollout_data has no 'kl': compute_advantages must be called by "
                          "slime's compute_advantages_and_returns (--custom-advantage-function-path)")
-    rows, error = _local_rows(rollout_data, cp_size)
+    rows, error = _columns(rollout_data) if cp_size == 1 else _local_rows(rollout_data, cp_size)
     device = next((x.device for x in rows.values + rows.kl if x is not None), torch.device("cpu"))
     order = rows.order()
     packed = _packed(rows, order, device) if rows and error is None else None
     counts = [0] * len(rows)
     if packed is not None:  # trainable tokens per sample, from one cumulative sum over the packed mask
-        cs = torch.nn.functional.pad(packed[0].cumsum(0), (1, 0))
-        for i, n in zip(order, cs[packed[4]].diff().tolist()):
+        cs = torch.empty(packed[0].numel() + 1, dtype=torch.int32, device=device)
+        cs[0] = 0
+        torch.cumsum(packed[0].view(torch.uint8), 0, dtype=torch.int32, out=cs[1:])  # uint8: a faster kernel
+        packed_counts = cs[packed[4]].diff().tolist()
+        if order is None:
+            counts = packed_counts
+        for i, n in zip(order or (), packed_counts):
             counts[i] = n
-    meta = (list(zip(rows.part, rows.rid, rows.seg, rows.reward, counts)), error)
-    metas = _all_gather(meta, group, dp_size)
-    _check_rollouts(metas, extra["untrainable"])
-    remote = _remote_rows(rows, metas, dp_rank, group, dp_size) if dp_size > 1 else None
+    if dp_size > 1 or packed is None or not _plainly_valid(rows, order, counts, packed[5].tolist(),
+                                                            extra["untrainable"]):
+        meta = (list(zip(rows.part, rows.rid, rows.seg, rows.reward, counts)), error)
+        metas = _all_gather(meta, group, dp_size)
+        _check_rollouts(metas, extra["untrainable"])
+    remote = _remote_rows(rows, metas, dp_rank, group, dp_size, device) if dp_size > 1 else None
     n_local = len(rows)
     if not n_local:
         rollout_data["advantages"], rollout_data["returns"] = [], []
@@ -254,8 +325,12 @@ def compute_advantages(args, rollout_data) -> None:
     if extra["critic_target"] == "corrected":
         ret = torch.where(mask, adv + values, 0.0)
 
+    adv, ret = adv.split(lengths), ret.split(lengths)
+    if order is None and cp_size == 1:  # packed in list order, this rank's samples first
+        rollout_data["advantages"], rollout_data["returns"] = list(adv[:n_local]), list(ret[:n_local])
+        return
     advantages, returns = [None] * n_local, [None] * n_local
-    for a, r, i in zip(adv.split(lengths), ret.split(lengths), order):
+    for a, r, i in zip(adv, ret, range(len(rows)) if order is None else order):
         if i < n_local:
             advantages[i], returns[i] = _cp_slice(a, rollout_data, i, cp_size), _cp_slice(r, rollout_data, i, cp_size)
     rollout_data["advantages"], rollout_data["returns"] = advantages, returns

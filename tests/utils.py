@@ -117,3 +117,42 @@ class RecordOps(TorchDispatchMode):
         got = [a for f, a in self.calls if f == f"compactionrl_fast.{name}.default"]
         assert len(got) == 1, self.calls
         return got[0]
+
+
+def stub_launches(monkeypatch, module, names) -> list:
+    """Replace the Triton kernels `names` of `module` by stubs; returns the list each launch appends its
+    (kernel name, grid, keyword arguments) to."""
+    launches = []
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, grid, kwargs))
+
+    for name in names:
+        monkeypatch.setattr(module, name, Stub(name))
+    return launches
+
+
+def build_host_lib(out_dir, source: str, defines: dict, name: str):
+    """g++ build of tests/ops/<source> (a CUDA kernel run on the host through tests/cuda_host_emu.h) into
+    out_dir/<name>, with -D<key>=<value> for `defines`; returns the ctypes library (skips without g++)."""
+    import ctypes
+    import os
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = os.path.join(str(out_dir), name)
+    # -fno-gnu-unique: each build keeps its own template statics (the emulated shared memory)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-fno-gnu-unique",
+                    *(f"-D{k}={v}" for k, v in defines.items()), "-I", os.path.join(root, "csrc"),
+                    "-I", os.path.join(root, "tests"), os.path.join(root, "tests", "ops", source), "-o", out],
+                   check=True)
+    return ctypes.CDLL(out)

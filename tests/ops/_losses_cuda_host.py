@@ -3,34 +3,29 @@ tests/cuda_host_emu.h, in place of the cpp op: tests/ops/losses_cuda_host.cpp bu
 with ctypes, so the CPU tests check the CUDA kernels' logic (block partials, fixed-order reduction)."""
 import ctypes
 import os
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from compactionrl_fast.kernels._launch import empty
-from tests.utils import SHAPE_TABLE, packed_batch
+from tests.utils import SHAPE_TABLE, build_host_lib, packed_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPES = [(8, 4), (256, 4)]  # (threads, tokens per thread): many small blocks, and the GPU block shape
 
 
 def build(tmp_dir, threads, items):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found")
-    out = os.path.join(str(tmp_dir), "losses_host.so")
-    # -fno-gnu-unique: each build keeps its own template statics (the emulated shared memory)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-fno-gnu-unique",
-                    f"-DCRF_LOSS_THREADS={threads}", f"-DCRF_LOSS_ITEMS={items}", "-I", os.path.join(ROOT, "csrc"),
-                    "-I", os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "ops", "losses_cuda_host.cpp"),
-                    "-o", out], check=True)
-    return load(out)
+    return signatures(build_host_lib(tmp_dir, "losses_cuda_host.cpp",
+                                     {"CRF_LOSS_THREADS": threads, "CRF_LOSS_ITEMS": items}, "losses_host.so"))
 
 
 def load(path):
-    """The host build at `path`, with its entry points' ctypes signatures."""
-    lib = ctypes.CDLL(path)
+    """The host build at `path` (built by `build`)."""
+    return signatures(ctypes.CDLL(path))
+
+
+def signatures(lib):
+    """The host build `lib` with its entry points' ctypes signatures."""
     p, i64, f64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
     lib.crf_ppo_loss_host.restype = None
     lib.crf_ppo_loss_host.argtypes = [p] * 6 + [i32, p, i64, i64] + [f64] * 4 + [p] * 3

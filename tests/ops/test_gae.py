@@ -490,20 +490,11 @@ def build_cuda_host(tmp_dir, threads, items):
     """csrc/cuda/gae_kernels.cuh built with g++ over tests/cuda_host_emu.h at tiles of threads x items tokens:
     the library, with its entry point's ctypes signature."""
     import ctypes
-    import os
-    import shutil
-    import subprocess
 
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = os.path.join(str(tmp_dir), "gae_host.so")
-    # -fno-gnu-unique: each build keeps its own template statics (the emulated shared memory)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-fno-gnu-unique",
-                    f"-DCRF_GAE_THREADS={threads}", f"-DCRF_GAE_ITEMS={items}", "-I", os.path.join(root, "csrc"),
-                    "-I", os.path.join(root, "tests"), os.path.join(root, "tests", "ops", "gae_cuda_host.cpp"),
-                    "-o", out], check=True)
-    lib = ctypes.CDLL(out)
+    from tests.utils import build_host_lib
+
+    lib = build_host_lib(tmp_dir, "gae_cuda_host.cpp", {"CRF_GAE_THREADS": threads, "CRF_GAE_ITEMS": items},
+                         "gae_host.so")
     lib.crf_gae_host.restype = None
     lib.crf_gae_host.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_double] * 4 + \
         [ctypes.c_int64] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2

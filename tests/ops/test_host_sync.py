@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import compactionrl_fast as crf
 from compactionrl_fast.kernels import _launch as klaunch
 from compactionrl_fast.ops import _dispatch
-from tests.utils import RecordOps
+from tests.utils import RecordOps, stub_launches
 
 
 def _fake_batch(T=64):
@@ -140,17 +140,7 @@ def test_segment_gae_cuda_glue_launches_and_ops(monkeypatch, name, R, per, idx, 
     rollouts (chunks) and R >= 2 * SMs rollouts (one chunk per rollout). A host read raises here."""
     from compactionrl_fast.kernels import gae as kgae
 
-    launches = []
-
-    class Stub:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.name, grid, kwargs.get("WRITE")))
-
-    for k in ("_gae_params_kernel", "_gae_chunk_kernel", "_gae_lookback_kernel"):
-        monkeypatch.setattr(kgae, k, Stub(k))
+    launches = stub_launches(monkeypatch, kgae, ("_gae_params_kernel", "_gae_chunk_kernel", "_gae_lookback_kernel"))
     monkeypatch.setattr(kgae, "_sm_count", lambda device: SMS)
     monkeypatch.setattr(klaunch, "POISON", False)  # the suite's NaN fill: not an op of a call
     with FakeTensorMode():
@@ -173,7 +163,7 @@ def test_segment_gae_cuda_glue_launches_and_ops(monkeypatch, name, R, per, idx, 
             kgae._segment_gae_fwd(*calls[0])
     chunked = R < 2 * SMS
     assert [n for n, _, _ in launches] == ["_gae_params_kernel"] + ["_gae_chunk_kernel"] * (1 + chunked), launches
-    assert [w for _, _, w in launches[1:]] == [False] * chunked + [True], launches
+    assert [kw.get("WRITE") for _, _, kw in launches[1:]] == [False] * chunked + [True], launches
     assert launches[0][1] == (R,) and (chunked or launches[-1][1] == (R,)), launches  # one program per rollout
     outer.ops.pop("compactionrl_fast.segment_gae_triton.default")
     inner.ops["aten.empty.memory_format"] -= 2  # adv and ret, the outputs
@@ -188,17 +178,7 @@ def test_segment_gae_cuda_glue_lookback_plan(monkeypatch):
     tests/test_aot.py compiles); no host read, and no fill launch: the only ops are allocations."""
     from compactionrl_fast.kernels import gae as kgae
 
-    launches = []
-
-    class Stub:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.name, grid, kwargs))
-
-    for k in ("_gae_params_kernel", "_gae_chunk_kernel", "_gae_lookback_kernel"):
-        monkeypatch.setattr(kgae, k, Stub(k))
+    launches = stub_launches(monkeypatch, kgae, ("_gae_params_kernel", "_gae_chunk_kernel", "_gae_lookback_kernel"))
     monkeypatch.setenv("COMPACTIONRL_FAST_GAE_PLAN", "lookback")
     monkeypatch.setattr(klaunch, "POISON", False)
     R, per, T = 6, 2, 6000  # 3 tiles, the last one short

@@ -8,9 +8,6 @@ trainable token, single tokens, segments longer than a kernel step), random batc
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -20,9 +17,8 @@ from compactionrl_fast.kernels import _launch as klaunch
 from compactionrl_fast.ops import _dispatch
 from compactionrl_fast.ops import gae as ops_gae
 from compactionrl_fast.reference import gae as ref
-from tests.utils import SHAPE_TABLE, RecordOps, packed_batch, random_case
+from tests.utils import SHAPE_TABLE, RecordOps, build_host_lib, packed_batch, random_case, stub_launches
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU = torch.device("cpu")
 BACKENDS = [b for b in ("cpp", "triton", "torch-tuned", "torch") if b in _dispatch.available(CPU)]
 MODES = ("paper", "stitched")
@@ -127,15 +123,9 @@ def test_triton_kernel_scans_several_steps(mode, case):
 def place_host_lib(request, tmp_path_factory):
     """csrc/cuda/place_kernels.cuh built with g++ over tests/cuda_host_emu.h: a small block (segments span many
     windows) and the GPU block shape."""
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found")
     threads, items = request.param
-    out = str(tmp_path_factory.mktemp("place_cuda_host") / "place_host.so")
-    subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-fno-gnu-unique",
-                    f"-DCRF_PLACE_THREADS={threads}", f"-DCRF_PLACE_ITEMS={items}", "-I", os.path.join(ROOT, "csrc"),
-                    "-I", os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "ops", "place_cuda_host.cpp"),
-                    "-o", out], check=True)
-    lib = ctypes.CDLL(out)
+    lib = build_host_lib(tmp_path_factory.mktemp("place_cuda_host"), "place_cuda_host.cpp",
+                         {"CRF_PLACE_THREADS": threads, "CRF_PLACE_ITEMS": items}, "place_host.so")
     lib.crf_place_host.restype = None
     lib.crf_place_host.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
     return lib, threads
@@ -268,17 +258,7 @@ def test_triton_glue_on_cuda_launches_and_ops(monkeypatch, stitched, idx):
 
     from compactionrl_fast.kernels import place as kplace
 
-    launches = []
-
-    class Stub:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.name, grid, kwargs))
-
-    for k in ("_zero_kernel", "_place_kernel"):
-        monkeypatch.setattr(kplace, k, Stub(k))
+    launches = stub_launches(monkeypatch, kplace, ("_zero_kernel", "_place_kernel"))
     monkeypatch.setattr(klaunch, "POISON", False)
     with FakeTensorMode():
         T, R = 5000, 3

@@ -300,7 +300,7 @@ def formulations(b, device, *, oracle: bool, loops: bool = True, plans: bool = F
     """(name, zero-argument callable returning packed (adv, ret), timed callable, timing kwargs) tuples."""
     out = []
     # the Triton interpreter on CPU tensors is a test tool, not a backend worth timing
-    backends = [x for x in available(device) if x in TABLE["segment_gae"][device.type] and x != "torch"
+    backends = [x for x in available(device) if x in TABLE["segment_gae"]["ops"]  # its kernels, not the reference
                 and not (x == "triton" and device.type == "cpu")]
     for be in backends:
         out.append((be, lambda be=be: run_backend(b, be), None, {}))

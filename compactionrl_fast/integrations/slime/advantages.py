@@ -109,9 +109,10 @@ def _require_keys(rollout_data):
                          "624b824); call it through --custom-advantage-function-path")
 
 
-def _columns(rollout_data):
-    """cp = 1: this rank's samples as _Rows filled column by column from slime's per-sample lists (python
-    numbers, slime's own tensors: no per-sample tensor work), and the first problem found (None)."""
+def _columns(rollout_data, cp_size):
+    """This rank's samples as _Rows filled column by column from slime's per-sample lists (python numbers,
+    slime's own tensors: no per-sample tensor work; under CP, values and KL gathered over whole responses), and
+    the first problem found (None)."""
     _require_keys(rollout_data)
     n = len(rollout_data["loss_masks"])
     segs, values, kl = rollout_data.get("round_number"), rollout_data.get("values"), rollout_data.get("kl")
@@ -130,45 +131,28 @@ def _columns(rollout_data):
     rows.values = [None] * n if values is None else list(values)
     rows.kl = [None] * n if kl is None else list(kl)
     resp = list(map(int, rollout_data["response_lengths"]))
-    bad = []  # (sample, check order, name, entries) of each column's first wrong length
-    for c, (name, col) in enumerate((("loss_mask", rows.mask), ("values", values), ("kl", kl))):
+    total = list(map(int, rollout_data["total_lengths"]))
+    local = resp if cp_size == 1 else [_cp_local_length(t, r, cp_size) for t, r in zip(total, resp)]
+    bad = []  # (sample, check order, name, entries, expected) of each column's first wrong length
+    for c, (name, col, want) in enumerate((("loss_mask", rows.mask, resp), ("values", values, local),
+                                           ("kl", kl, local))):
         sizes = None if col is None else list(map(torch.Tensor.numel, col))
-        if sizes is not None and sizes != resp:
-            i = next(i for i, (a, b) in enumerate(zip(sizes, resp)) if a != b)
-            bad.append((i, c, name, sizes[i]))
-    if not bad:
-        return rows, None
-    i, _, name, got = min(bad)
-    where = f"sample {rows.part[i]} (rollout {rows.rid[i]})"
-    if name == "loss_mask":
-        return rows, f"{where}: loss_mask has {got} entries, response_length is {resp[i]}"
-    return rows, f"{where}: {name} has {got} entries, expected {resp[i]} (the response's length)"
-
-
-def _local_rows(rollout_data, cp_size):
-    """This rank's samples (values and KL over whole responses) and the first problem found (None)."""
-    _require_keys(rollout_data)
-    segs = rollout_data.get("round_number")
-    values, kl = rollout_data.get("values"), rollout_data.get("kl")
-    rows, error = _Rows(), None
-    for i, mask in enumerate(rollout_data["loss_masks"]):
-        mask = mask if isinstance(mask, torch.Tensor) else torch.as_tensor(mask)
-        resp, total = int(rollout_data["response_lengths"][i]), int(rollout_data["total_lengths"][i])
-        part, rid = int(rollout_data["partition"][i]), int(rollout_data["rollout_ids"][i])
-        local_len = _cp_local_length(total, resp, cp_size)
-        if error is None and mask.numel() != resp:
-            error = f"sample {part} (rollout {rid}): loss_mask has {mask.numel()} entries, response_length is {resp}"
-        for name, x in (("values", values), ("kl", kl)):
-            if error is None and x is not None and x[i].numel() != local_len:
-                error = (f"sample {part} (rollout {rid}): {name} has {x[i].numel()} entries, expected {local_len} "
-                         f"(the response's {'CP-local part' if cp_size > 1 else 'length'})")
-        full = [None if x is None else x[i].detach() for x in (values, kl)]
-        if cp_size > 1 and error is None:
-            from slime.backends.megatron_utils.cp_utils import all_gather_with_cp
-            full = [None if x is None else all_gather_with_cp(x.float(), total, resp).detach() for x in full]
-        rows.add(part, rid, None if segs is None else int(segs[i]), float(rollout_data["rewards"][i]), mask.reshape(-1),
-                 *full)
-    return rows, error
+        if sizes is not None and sizes != want:
+            i = next(i for i, (a, b) in enumerate(zip(sizes, want)) if a != b)
+            bad.append((i, c, name, sizes[i], want[i]))
+    if bad:
+        i, _, name, got, want = min(bad)
+        where = f"sample {rows.part[i]} (rollout {rows.rid[i]})"
+        if name == "loss_mask":
+            return rows, f"{where}: loss_mask has {got} entries, response_length is {want}"
+        return rows, (f"{where}: {name} has {got} entries, expected {want} (the response's "
+                      f"{'CP-local part' if cp_size > 1 else 'length'})")
+    if cp_size > 1:
+        from slime.backends.megatron_utils.cp_utils import all_gather_with_cp
+        for k in ("values", "kl"):
+            setattr(rows, k, [None if x is None else all_gather_with_cp(x.float(), t, r).detach()
+                              for x, t, r in zip(getattr(rows, k), total, resp)])
+    return rows, None
 
 
 def _check_rollouts(metas, untrainable):
@@ -287,7 +271,7 @@ def compute_advantages(args, rollout_data) -> None:
     if extra["kl_coef"] != 0 and rollout_data.get("kl") is None:
         raise ValueError("--kl-coef is set but rollout_data has no 'kl': compute_advantages must be called by "
                          "slime's compute_advantages_and_returns (--custom-advantage-function-path)")
-    rows, error = _columns(rollout_data) if cp_size == 1 else _local_rows(rollout_data, cp_size)
+    rows, error = _columns(rollout_data, cp_size)
     device = next((x.device for x in rows.values + rows.kl if x is not None), torch.device("cpu"))
     order = rows.order()
     packed = _packed(rows, order, device) if rows and error is None else None

@@ -4,6 +4,17 @@ from __future__ import annotations
 import torch
 
 
+# The critic's target: "local", segment_gae's returns; "corrected", the scaled advantages + values
+# (docs/slime.md and docs/verl.md: why local is the default).
+CRITIC_TARGETS = ("local", "corrected")
+
+
+def critic_returns(adv, ret, values, mask, target):
+    """The critic's targets [T] or [B, L]: `ret` ("local") or advantages + values on trainable tokens, 0 elsewhere
+    ("corrected")."""
+    return torch.where(mask, adv + values.float(), 0.0) if target == "corrected" else ret
+
+
 def cfg_get(config, key, default=None):
     """`config[key]` of a dict, an OmegaConf DictConfig, a verl dataclass config or any object, else `default`
     (an explicit None in the config stays None)."""

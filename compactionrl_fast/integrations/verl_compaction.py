@@ -15,12 +15,9 @@ import torch
 from ..ops import place_final_rewards
 from ..ops._validate import trusted_layout
 from ..rollout.engines.base import Engine, Generation, caps_list
-from ._common import cfg_get, masked_whiten
+from ._common import CRITIC_TARGETS, cfg_get, critic_returns, masked_whiten
 from .padded import as_bool_mask, flat, row_table, segment_gae_padded
 from .verl import ADV_ESTIMATOR, gae_options
-
-CRITIC_TARGETS = ("local", "corrected")
-
 
 def session_rows(keys):
     """(rollout id, segment index) of each row from verl's batch keys `{uid}_{session_id}_{index}`.
@@ -113,8 +110,7 @@ def compaction_advantages(keys, token_level_scores, values, response_mask, confi
     if extra is not None:
         rewards = rewards + extra
     adv, ret = segment_gae_padded(rewards, values, mask, ids, segment_index=pos, **kw)
-    if flags["critic_target"] == "corrected":
-        ret = torch.where(mask, adv + values.float(), 0.0)
+    ret = critic_returns(adv, ret, values, mask, flags["critic_target"])
     if flags["whiten"]:
         adv = masked_whiten(adv, mask)
     return adv, ret

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import importlib
 
-from .._common import number
+from .._common import CRITIC_TARGETS, number
 
 GAE_KEYS = dict(compaction_lam="adaptive", compaction_cross_segment="paper", compaction_lam_critic=1.0,
                 compaction_adaptive_alpha=1.5, compaction_adaptive_length="rollout")
-CRITIC_TARGETS = ("local", "corrected")
 UNTRAINABLE = ("error", "allow")
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ... import ops
+from .._common import critic_returns
 from ._options import advantage_options
 
 _NEEDED = ("loss_masks", "response_lengths", "total_lengths", "rewards", "rollout_ids", "partition")
@@ -306,8 +307,7 @@ def compute_advantages(args, rollout_data) -> None:
     if extra["kl_coef"] != 0 and kl is not None:
         token_rewards = token_rewards.sub_(kl, alpha=extra["kl_coef"])
     adv, ret = ops.segment_gae(token_rewards, values, mask, cu_seqlens, cu_segments, **kw)
-    if extra["critic_target"] == "corrected":
-        ret = torch.where(mask, adv + values, 0.0)
+    ret = critic_returns(adv, ret, values, mask, extra["critic_target"])
 
     adv, ret = adv.split(lengths), ret.split(lengths)
     if order is None and cp_size == 1:  # packed in list order, this rank's samples first

@@ -33,6 +33,10 @@ TORCH_LIBRARY(compactionrl_fast, m) {
       "value_loss(Tensor values, Tensor old_values, Tensor returns, Tensor loss_mask, Tensor? cu_seqlens, "
       "Tensor seg_scale, float clip, bool need_grad) -> (Tensor, Tensor, Tensor)");
 
+  // A 0/1 mask of a numeric dtype as bool, with (nonzero values, values other than 0 and 1) int64 [2]
+  // (csrc/cpu/mask_to_bool.cpp; the adapters' as_bool_mask).
+  m.def("mask_to_bool(Tensor mask) -> (Tensor, Tensor)");
+
   // Value head (csrc/cpu/value_head.cpp).
   m.def("value_head_fwd(Tensor hidden, Tensor weight, Tensor? bias) -> Tensor");
   m.def("value_head_bwd(Tensor hidden, Tensor weight, Tensor grad, bool need_dh, bool need_dw) -> (Tensor, Tensor)");

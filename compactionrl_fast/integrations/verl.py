@@ -46,7 +46,7 @@ import torch
 from ..ops import ppo_policy_loss
 from ..ops._validate import trusted_layout
 from ._common import cfg_get, denominator_from, masked_whiten
-from .padded import as_bool_mask, flat, row_table, segment_gae_padded
+from .padded import as_bool_mask, bool_mask_and_count, flat, row_table, segment_gae_padded
 
 ADV_ESTIMATOR = "compaction_gae"
 POLICY_LOSS = "compaction"
@@ -118,16 +118,17 @@ def compute_advantage(data, config=None):
     return data
 
 
-def _loss_reduction(loss_agg_mode, mask, gbi, loss_scale_factor):
+def _loss_reduction(loss_agg_mode, mask, gbi, loss_scale_factor, count=None):
     """(reduction, denominator, scale) of `ppo_policy_loss` that reproduce verl's `agg_loss` (core_algos.py):
-    every verl mode is a token-mean, a segment-mean (one segment per row) or a sum, times a constant."""
+    every verl mode is a token-mean, a segment-mean (one segment per row) or a sum, times a constant.
+    `count`: the mask's True values when known (the op need not count them again)."""
     dp = int(gbi.get("dp_size", 1) or 1)
     tokens, seqs = gbi.get("batch_num_tokens"), gbi.get("global_batch_size")
     needed = {"token-mean": ("batch_num_tokens", tokens)}.get(loss_agg_mode, ("global_batch_size", seqs))
     if dp > 1 and loss_agg_mode != "token-sum" and needed[1] is None:  # as verl's agg_loss
         raise ValueError(f"global_batch_info[{needed[0]!r}] is required with dp_size > 1 ({loss_agg_mode})")
     if loss_agg_mode == "token-mean":
-        return "token-mean", denominator_from(tokens, dp), 1.0
+        return "token-mean", denominator_from(tokens if tokens is not None else count, dp), 1.0
     if loss_agg_mode == "token-sum":
         return "sum", None, float(dp)
     if loss_agg_mode == "seq-mean-token-mean":
@@ -167,8 +168,9 @@ def compute_policy_loss_compaction(old_log_prob, log_prob, advantages, response_
     clip_high = cfg_get(config, "clip_ratio_high", None)
     dual = cfg_get(config, "clip_ratio_c", 3.0)
     gbi = cfg_get(config, "global_batch_info", None) or {}
-    mask = as_bool_mask("response_mask", response_mask)
-    reduction, denom, scale = _loss_reduction(loss_agg_mode, mask, gbi, cfg_get(config, "loss_scale_factor", None))
+    mask, count = bool_mask_and_count("response_mask", response_mask)
+    reduction, denom, scale = _loss_reduction(loss_agg_mode, mask, gbi, cfg_get(config, "loss_scale_factor", None),
+                                              count)
     B, L = mask.shape
     adv = flat("advantages", advantages, B, L)  # the rows read in place: one segment per row
     if rollout_is_weights is not None:

@@ -229,11 +229,19 @@ def test_row_table_values_and_cache(monkeypatch):
     assert padded.row_table(1, 100) is newest and padded.row_table(1, 1) is not tables[0]
 
 
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64])
-def test_mask_of_any_dtype_is_checked_for_0_and_1(dtype):
-    """as_bool_mask's checks by reduction (integers: the range; floats: nonzero == equal-to-1) reject
-    exactly the masks with a value other than 0 or 1: NaN, inf, fractions, negatives, 2."""
+@pytest.mark.parametrize("one_pass", [True, False], ids=["cpp", "torch"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                                   torch.bfloat16, torch.float32, torch.float64])
+def test_mask_of_any_dtype_is_checked_for_0_and_1(dtype, one_pass, monkeypatch):
+    """as_bool_mask's checks (the C++ pass mask_to_bool; without it, reductions: integers' range, floats'
+    nonzero == equal-to-1) reject exactly the masks with a value other than 0 or 1: NaN, inf, fractions,
+    negatives, 2."""
+    from compactionrl_fast.integrations import padded
     from compactionrl_fast.integrations.padded import as_bool_mask
+
+    if one_pass and not padded._HAS_MASK_OP:
+        pytest.skip("the extension lacks mask_to_bool")
+    monkeypatch.setattr(padded, "_HAS_MASK_OP", one_pass)
 
     g = torch.Generator().manual_seed(3)
     good = (torch.rand(4, 33, generator=g) > 0.4).to(dtype)
@@ -241,6 +249,8 @@ def test_mask_of_any_dtype_is_checked_for_0_and_1(dtype):
     bads = [2, 3] + ([] if dtype == torch.uint8 else [-1]) + ([0.5, 0.999, float("nan"), float("inf"), -0.25]
                                                               if dtype.is_floating_point else [])
     for v in bads:
+        if float(torch.tensor(v, dtype=dtype)) in (0.0, 1.0):
+            continue  # 0.999 is 1 in bfloat16
         bad = good.clone()
         bad[2, 17] = v
         with pytest.raises(ValueError, match="response_mask must hold only 0 and 1"):
@@ -249,3 +259,22 @@ def test_mask_of_any_dtype_is_checked_for_0_and_1(dtype):
     if dtype.is_floating_point:
         neg_zero[0, 0] = -0.0
     assert torch.equal(as_bool_mask("response_mask", neg_zero), neg_zero != 0)
+
+
+def test_one_pass_mask_conversion_counts_across_blocks():
+    """mask_to_bool over several of its blocks (64K values), a non-contiguous input and a bad value in the
+    last block: the bool mask, the count of True values and the refusal."""
+    from compactionrl_fast.integrations import padded
+
+    if not padded._HAS_MASK_OP:
+        pytest.skip("the extension lacks mask_to_bool")
+    g = torch.Generator().manual_seed(4)
+    good = torch.rand(5, 70_001, generator=g) > 0.3
+    for m in (good.long(), good.float(), good.double().t().contiguous().t()):
+        out, count = padded.bool_mask_and_count("response_mask", m)
+        assert torch.equal(out, good) and count == int(good.sum())
+    assert padded.bool_mask_and_count("response_mask", good) == (good, None)
+    bad = good.float()
+    bad[4, 70_000] = 0.5
+    with pytest.raises(ValueError, match="response_mask must hold only 0 and 1"):
+        padded.as_bool_mask("response_mask", bad)

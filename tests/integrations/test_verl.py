@@ -123,6 +123,28 @@ def test_policy_loss_equals_verl_vanilla(mode, gbi):
     assert metrics["actor/ppo_kl"] == pytest.approx(k1, rel=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("gbi", [{}, {"dp_size": 2, "batch_num_tokens": 300, "global_batch_size": 11}])
+def test_policy_loss_same_bits_for_every_mask_dtype(mode, gbi):
+    """An int or float mask (converted and counted in one pass; its count is the token-mean denominator
+    when verl gives none) gives the bool mask's loss, gradient and metrics bit for bit; a value other than
+    0 and 1 is refused."""
+    old, logp, adv, mask = _loss_inputs()
+    cfg = _actor_config(global_batch_info=gbi)
+    runs = []
+    for m in (mask.bool(), mask.long(), mask.int(), mask.float(), mask.double()):
+        x = logp.detach().clone().requires_grad_()
+        loss, metrics = V.compute_policy_loss_compaction(old, x, adv, m, mode, cfg)
+        loss.backward()
+        runs.append((loss, x.grad, metrics))
+    for loss, grad, metrics in runs[1:]:
+        assert torch.equal(loss, runs[0][0]) and torch.equal(grad, runs[0][1]) and metrics == runs[0][2]
+    bad = mask.float()
+    bad[1, 3] = 0.5
+    with pytest.raises(ValueError, match="response_mask must hold only 0 and 1"):
+        V.compute_policy_loss_compaction(old, logp, adv, bad, mode, cfg)
+
+
 def test_policy_loss_fully_masked_is_zero():
     old, logp, adv, mask = _loss_inputs()
     loss, metrics = V.compute_policy_loss_compaction(old, logp, adv, torch.zeros_like(mask), "token-mean",

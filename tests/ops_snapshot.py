@@ -5,7 +5,8 @@ interpreted), both index dtypes, every mode: a before/after check for refactors 
     python -m tests.ops_snapshot --compare /tmp/before.pt   # on the new one: "0 differences", exit 0
 
 Each op runs on its CPU backends from the dispatch table (compactionrl_fast/ops/_dispatch.py) and its modes come
-from kernels/modes.py, so a new backend or mode is snapshotted without an edit here. Cases only in the new
+from kernels/modes.py, so a new backend or mode is snapshotted without an edit here; every registered op also
+runs on its spec's cases (compactionrl_fast/ops/_registry.py), so a new op is too. Cases only in the new
 snapshot are listed as new, not as differences. `--old-names` compares with a snapshot saved before the tuned
 PyTorch paths were named "torch-tuned" (when "torch" meant them for place_final_rewards, value_head and
 linear_logprobs): its keys are renamed first.
@@ -26,6 +27,8 @@ torch.set_num_threads(1)
 import compactionrl_fast as crf  # noqa: E402
 from compactionrl_fast.kernels import modes  # noqa: E402
 from compactionrl_fast.ops._dispatch import TABLE  # noqa: E402
+from compactionrl_fast.ops._registry import public_specs  # noqa: E402
+from tests.ops.registry_runs import run  # noqa: E402
 
 
 def backends(op):
@@ -175,6 +178,17 @@ def logprob_cases(b, add):
             add(f"llploss/{temp}/{be}", f2)
 
 
+def registered_cases(b, add):
+    """Every registered op's spec cases (compactionrl_fast/ops/_registry.py) on its CPU backends: a new op is
+    snapshotted with no edit here. The index dtype comes from the cases, so only the int32 pass runs them."""
+    if b["cu"].dtype != torch.int32:
+        return
+    for spec in public_specs():
+        for case, kw in spec.cases(torch.device("cpu")).items():
+            for be in backends(spec.name):
+                add(f"reg/{spec.name}/{case}/{be}", lambda spec=spec, kw=kw, be=be: run(spec, kw, be))
+
+
 def flatten(x):
     if isinstance(x, torch.Tensor):
         return [x.detach().clone()]
@@ -200,6 +214,7 @@ def collect():
         loss_cases(b, add)
         head_cases(b, add)
         logprob_cases(b, add)
+        registered_cases(b, add)
         print(f"{pre}: {len(snap)} cases", flush=True)
     return snap
 

@@ -4,9 +4,11 @@ Skipped without a GPU; `benchmarks/gpu_check.sh` runs it on a lent one (with TRI
 Triton kernels run compiled). CRF_KERNEL_TEST_DEVICE=cpu runs the same checks on CPU tensors (the cpp
 backend and Triton under the interpreter), which is how this file itself is checked without a GPU.
 
-Also: bf16 inputs of every op, the device guard on a second GPU (`cuda:1` while `cuda:0` is current; skipped
-with one GPU) and CUDA-graph capture of each op's forward (expected to fail until the ops run without host
-syncs: marked xfail, not strict).
+Every registered op (compactionrl_fast/ops/_registry.py) on its spec's cases against the reference, from the
+registry (a new op needs no edit here); then deeper checks per op. Also: bf16 inputs of the loss and GAE
+ops, the device guard on a second GPU (`cuda:1` while `cuda:0` is current; skipped with one GPU) and
+CUDA-graph capture of each registered op's forward (expected to fail until the ops run without host syncs:
+marked xfail, not strict).
 
 Tolerances: segment_gae by its accuracy rule (at most twice the error of a float32 sequential loop, plus one
 float32 rounding; tests/utils.py `check_gae_accuracy`); float32 element-wise losses within a few float32
@@ -23,6 +25,7 @@ import compactionrl_fast as crf
 from compactionrl_fast import reference as ref
 from compactionrl_fast.kernels import modes
 from compactionrl_fast.ops._dispatch import available
+from tests.ops import registry_runs as reg
 from tests.utils import SHAPE_TABLE, check_gae_accuracy, packed_batch, random_case
 
 DEVICE = torch.device(os.environ.get("CRF_KERNEL_TEST_DEVICE", "cuda"))
@@ -55,6 +58,36 @@ def _leaf(x, device=DEVICE):
 
 def test_some_backend_runs_on_the_device():
     assert BACKENDS, f"no kernel backend available for {DEVICE} tensors: {available(DEVICE)}"
+
+
+# ---------------------------------------------------------------- every registered op, from its spec
+
+
+def _kernel_backends(spec):
+    """The op's kernel backends for DEVICE's tensors that are built here (not the reference)."""
+    return _pick([b for b in spec.cuda if b in available(DEVICE) and b != "torch"] if DEVICE.type == "cuda" else
+                 [b for b in spec.cpu if b in available(DEVICE) and b != "torch"])
+
+
+REGISTERED = [(s.name, c, b) for s in reg.public_specs() for c in s.cases(torch.device("cpu"))
+              for b in _kernel_backends(s)]
+
+
+@pytest.mark.parametrize("op,case,backend", REGISTERED, ids=["-".join(x) for x in REGISTERED])
+def test_registered_op_against_reference(op, case, backend):
+    """Each registered op (compactionrl_fast/ops/_registry.py), each case of its spec, each kernel backend:
+    outputs and gradients against backend="torch" (the float64 reference) within the spec's tolerance. A new
+    op is covered here with no edit."""
+    spec = reg.SPECS[op]
+    kw = spec.cases(DEVICE)[case]
+    got, got_grads = reg.run(spec, kw, backend)
+    want, want_grads = reg.run(spec, kw, "torch")
+    assert len(got) == len(want) and len(got_grads) == len(want_grads) == len([k for k in spec.grads if
+                                                                                kw.get(k) is not None])
+    rtol, atol = spec.tol
+    for i, (g, w) in enumerate(zip(got + got_grads, want + want_grads)):
+        assert g.device.type == DEVICE.type, i
+        torch.testing.assert_close(g.cpu().double(), w.cpu().double(), rtol=rtol, atol=atol, msg=lambda m: f"{i}: {m}")
 
 
 # ---------------------------------------------------------------- segment_gae
@@ -305,40 +338,17 @@ def test_ops_on_the_second_gpu(backend):
 # ---------------------------------------------------------------- CUDA-graph capture of each op
 
 
-def _forward(op, backend):
-    """(a closure running `op`'s forward on fixed device inputs and returning its tensors, its inputs)."""
-    b = _batch("four_segments")
-    old, new, a, _ = (x.to(DEVICE) for x in _loss_inputs(b))
-    mask, cu = b["loss_mask"], b["cu_seqlens"]
-    if op == "segment_gae":
-        return lambda: crf.segment_gae(**b, backend=backend)
-    if op == "place_final_rewards":
-        rr = torch.arange(1.0, 4.0, device=DEVICE)
-        return lambda: crf.place_final_rewards(rr, mask, cu, b["cu_segments"], backend=backend)
-    if op == "ppo_policy_loss":
-        return lambda: crf.ppo_policy_loss(new, old, a, mask, cu_seqlens=cu, backend=backend)[0]
-    if op == "value_loss":
-        return lambda: crf.value_loss(new, old, a, mask, clip=0.2, cu_seqlens=cu, backend=backend)[0]
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(257, 96, generator=g).to(DEVICE)
-    if op == "value_head":
-        w = torch.randn(96, generator=g).to(DEVICE)
-        return lambda: crf.value_head(h, w, None, backend=backend)
-    W = torch.randn(1000, 96, generator=g).to(DEVICE)
-    y = torch.randint(0, 1000, (257,), generator=g).to(DEVICE)
-    return lambda: crf.linear_logprobs(h, W, y, backend=backend)
-
-
 @pytest.mark.xfail(reason="graph capture needs the ops to run without host syncs (the zero-sync work)", strict=False)
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("op", ["segment_gae", "place_final_rewards", "ppo_policy_loss", "value_loss", "value_head",
-                                "linear_logprobs"])
+@pytest.mark.parametrize("op", [s.name for s in reg.public_specs()])
 def test_cuda_graph_capture(backend, op):
     if DEVICE.type != "cuda":
         pytest.skip("CUDA graphs need a GPU")
-    if op in ("value_head", "linear_logprobs") and backend != "triton":
+    spec = reg.SPECS[op]
+    if backend not in spec.cuda:
         pytest.skip(f"{op} has no {backend} kernel")
-    fn = _forward(op, backend)
+    kw = spec.cases(DEVICE)["small"]
+    fn = lambda: spec.fn(**kw, backend=backend)  # noqa: E731  (the forward on fixed device inputs)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up (Triton compiles, allocator pools) outside the capture
@@ -350,7 +360,5 @@ def test_cuda_graph_capture(backend, op):
         captured = fn()
     graph.replay()
     torch.cuda.synchronize()
-    eager = eager if isinstance(eager, tuple) else (eager,)
-    captured = captured if isinstance(captured, tuple) else (captured,)
-    for e, c in zip(eager, captured):
+    for e, c in zip(reg.tensors(eager), reg.tensors(captured)):
         torch.testing.assert_close(c, e, rtol=0, atol=0)

@@ -1,13 +1,13 @@
 """Backend discovery and choice: the one place where an op's backend is picked.
 
-`TABLE` lists each op's backends, fastest first per device type, and the custom op that runs each;
-`available` filters them by what is built and importable; `resolve_backend` (what every op calls) applies
-the table, the COMPACTIONRL_FAST_BACKEND override and the few per-op rules (`_op_rule`), and `custom_op`
-gives the chosen backend's custom op. CUDA tensors: triton > cuda > torch. CPU tensors: cpp > torch.
-"torch" is the naive reference (compactionrl_fast.reference, float64) for every public op; a tuned
-PyTorch path has its own name, "torch-tuned" (value_head, linear_logprobs, place_final_rewards). The
-Triton kernels run on CPU tensors only under the Triton interpreter (TRITON_INTERPRET=1, set before triton
-is imported); that is how they are tested without a GPU.
+`TABLE` (filled from the ops' specs: ops/_registry.py) lists each op's backends, fastest first per device
+type, and the custom op that runs each; `available` filters them by what is built and importable;
+`resolve_backend` (what every op calls) applies the table, the COMPACTIONRL_FAST_BACKEND override and the
+few per-op rules (`_op_rule`), and `custom_op` gives the chosen backend's custom op. CUDA tensors: triton >
+cuda > torch. CPU tensors: cpp > torch. "torch" is the naive reference (compactionrl_fast.reference,
+float64) for every public op; a tuned PyTorch path has its own name, "torch-tuned" (value_head,
+linear_logprobs, place_final_rewards). The Triton kernels run on CPU tensors only under the Triton
+interpreter (TRITON_INTERPRET=1, set before triton is imported); that is how they are tested without a GPU.
 """
 from __future__ import annotations
 
@@ -67,33 +67,9 @@ def available(device: torch.device) -> list[str]:
 # One table: each op's backends, fastest first per device type ("cuda", "cpu"), and the custom op
 # (torch.ops.compactionrl_fast.<name>) that runs each backend ("ops"). A backend missing from "ops" is run in
 # Python by the op itself: "torch", the reference, everywhere. `available` filters the orders by what is built
-# and importable; `resolve` is the one place that picks. The first two rows are internal (the loss ops'
-# reduction weights); their "torch" is the exact formulation on [S] the kernels port.
-TABLE = {
-    "segment_counts": {"cuda": ("triton", "torch"), "cpu": ("cpp", "torch"),
-                       "ops": {"triton": "segment_counts_triton", "cpp": "segment_counts"}},
-    "segment_weights": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "torch", "triton"),
-                        "ops": {"triton": "segment_weights_triton", "cuda": "segment_weights_triton",
-                                "cpp": "segment_weights"}},
-    "segment_gae": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch"),
-                    "ops": {"triton": "segment_gae_triton", "cuda": "segment_gae", "cpp": "segment_gae"}},
-    "segment_params": {"cuda": ("triton", "torch"), "cpu": ("cpp", "triton", "torch"),
-                       "ops": {"triton": "segment_gae_params_triton", "cpp": "segment_gae_params"}},
-    "place_final_rewards": {"cuda": ("triton", "cuda", "torch-tuned", "torch"),
-                            "cpu": ("cpp", "triton", "torch-tuned", "torch"),
-                            "ops": {"triton": "place_final_rewards_triton", "cuda": "place_final_rewards",
-                                    "cpp": "place_final_rewards", "torch-tuned": "place_final_rewards_torch"}},
-    "ppo_policy_loss": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch"),
-                        "ops": {"triton": "ppo_policy_loss_triton", "cuda": "ppo_policy_loss",
-                                "cpp": "ppo_policy_loss"}},
-    "value_loss": {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "triton", "torch"),
-                   "ops": {"triton": "value_loss_triton", "cuda": "value_loss", "cpp": "value_loss"}},
-    "value_head": {"cuda": ("triton", "torch-tuned", "torch"), "cpu": ("cpp", "torch-tuned", "triton", "torch"),
-                   "ops": {"triton": "value_head_fwd_triton", "cpp": "value_head_fwd",
-                           "torch-tuned": "value_head_fwd_torch"}},
-    "linear_logprobs": {"cuda": ("triton", "torch-tuned", "torch"), "cpu": ("torch-tuned", "triton", "torch"),
-                        "ops": {"triton": "linear_logprobs_fwd", "torch-tuned": "linear_logprobs_fwd"}},
-}
+# and importable; `resolve` is the one place that picks. The rows come from the ops' specs (`OpSpec`, declared
+# next to each op and added here by `ops/_registry.declare`): {op: {"cuda": (...), "cpu": (...), "ops": {...}}}.
+TABLE: dict = {}
 
 
 def has_backend(op: str, backend) -> bool:

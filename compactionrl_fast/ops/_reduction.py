@@ -31,6 +31,7 @@ from ..kernels import modes
 from ..kernels.modes import REDUCTION_SUM, REDUCTION_TOKEN_MEAN
 from ._dispatch import custom_op, resolve_backend
 from ._register import register_op
+from ._registry import OpSpec, declare
 
 REDUCTIONS = tuple(modes.REDUCTION)  # ("token-mean", "segment-mean", "rollout-mean", "sum")
 
@@ -160,3 +161,13 @@ def segment_weights_torch(loss_mask, cu_seqlens, cu_segments, reduction, denomin
     return _inverse(n) * inv_d
 
 
+
+
+# ---------------------------------------------------------------- internal rows of the registry (ops/_registry.py):
+# the loss ops' reduction weights; "torch" here is the exact formulation on [S] above, which the kernels port
+
+declare(OpSpec("segment_counts", cuda=("triton", "torch"), cpu=("cpp", "torch"),
+               ops={"triton": "segment_counts_triton", "cpp": "segment_counts"}, kernels=("segments",)))
+declare(OpSpec("segment_weights", cuda=("triton", "cuda", "torch"), cpu=("cpp", "torch", "triton"),
+               ops={"triton": "segment_weights_triton", "cuda": "segment_weights_triton", "cpp": "segment_weights"},
+               kernels=("segments",)))

@@ -20,6 +20,7 @@ from ..kernels.modes import LAM_ADAPTIVE_ROLLOUT, LAM_ADAPTIVE_SEGMENT, LAM_CONS
 from ..reference import gae as ref
 from ._dispatch import custom_op, resolve_backend
 from ._register import register_op
+from ._registry import LARGE, SMALL, OpSpec, declare, packed, wave
 from ._validate import FLOAT_DTYPES, check_choice, check_float, check_layout, check_tensor, value_checks
 
 
@@ -317,3 +318,49 @@ def place_final_rewards(rollout_rewards, loss_mask, cu_seqlens, cu_segments=None
     op = custom_op("place_final_rewards", b)
     return op(rollout_rewards.detach().float().contiguous(), loss_mask.contiguous(), cu_seqlens, cu_segments,
               mode == "stitched")
+
+
+# ---------------------------------------------------------------- the ops' entries in the registry (ops/_registry.py)
+
+
+def _gae_cases(device, rewards=True):
+    def case(layout, index_dtype=torch.int64, **kw):
+        b = packed(device, *layout, index_dtype=index_dtype)
+        T, S = b["loss_mask"].numel(), b["cu_seqlens"].numel() - 1
+        if kw.get("lam") == "tensor":
+            kw["lam"] = 0.8 + 0.15 * wave(S, 0.9, device)
+        if rewards:
+            b.update(rewards=wave(T, 1.7, device), values=wave(T, 0.3, device))
+        return dict(b, **kw)
+    return {"small": case(SMALL), "large": case(LARGE, torch.int32, gamma=0.99, lam=0.95, cross_segment="stitched",
+                                                 lam_critic=None),
+            "adaptive segment": case(SMALL, gamma=0.97, adaptive_length="segment", cross_segment="none",
+                                     lam_critic=0.9),
+            "lam tensor": case(SMALL, torch.int32, lam="tensor")}
+
+
+def _place_cases(device):
+    def case(layout, index_dtype=torch.int64, mode="paper"):
+        b = packed(device, *layout, index_dtype=index_dtype)
+        return dict(rollout_rewards=3.0 + wave(b["cu_segments"].numel() - 1, 2.1, device), mode=mode, **b)
+    return {"small": case(SMALL), "large": case(LARGE, torch.int32, "stitched"),
+            "stitched": case(SMALL, mode="stitched")}
+
+
+GAE_SPEC = declare(OpSpec(
+    "segment_gae", cuda=("triton", "cuda", "torch"), cpu=("cpp", "triton", "torch"),
+    ops={"triton": "segment_gae_triton", "cuda": "segment_gae", "cpp": "segment_gae"},
+    fn=segment_gae, reference=ref.segment_gae, cases=_gae_cases, tol=(1e-5, 1e-5),
+    kernels=("gae_params", "gae_chunk", "gae_lookback"), bench="bench_gae", speed=("segment_gae",)))
+PARAMS_SPEC = declare(OpSpec(
+    "segment_params", cuda=("triton", "torch"), cpu=("cpp", "triton", "torch"),
+    ops={"triton": "segment_gae_params_triton", "cpp": "segment_gae_params"},
+    fn=segment_params, reference=ref.segment_params, cases=lambda device: _gae_cases(device, rewards=False),
+    tol=(1e-12, 1e-12), kernels=("gae_params",), bench="bench_gae"))
+PLACE_SPEC = declare(OpSpec(
+    "place_final_rewards", cuda=("triton", "cuda", "torch-tuned", "torch"),
+    cpu=("cpp", "triton", "torch-tuned", "torch"),
+    ops={"triton": "place_final_rewards_triton", "cuda": "place_final_rewards", "cpp": "place_final_rewards",
+         "torch-tuned": "place_final_rewards_torch"},
+    fn=place_final_rewards, reference=ref.place_final_rewards, cases=_place_cases, tol=(0, 0),
+    kernels=("place",), bench="bench_place", speed=("place_final_rewards",)))

@@ -27,6 +27,7 @@ from ..reference.linear_logprobs import linear_logprobs as reference_linear_logp
 from ._dispatch import resolve_backend
 from ._linear_logprobs_loop import fused_forward, linear_logprobs_bwd, linear_logprobs_fwd
 from ._register import register_op
+from ._registry import OpSpec, declare, wave
 from ._validate import check_float, check_tensor, value_checks
 
 HIDDEN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -293,3 +294,24 @@ def linear_logprobs_loss(hidden, weight, targets, token_loss, *, bias=None, temp
     out = LinearLogprobsLossFunction.apply(hidden, weight, bias, targets.long().contiguous(), token_loss,
                                            1.0 / temperature, C, with_entropy, b == "triton")
     return out if with_entropy else (*out, None)
+
+
+# ---------------------------------------------------------------- the op's entry in the registry (ops/_registry.py)
+
+
+def _cases(device):
+    def case(T, H, V, **kw):
+        targets = torch.arange(T, device=device) * 7919 % V
+        return dict(hidden=wave(T * H, 0.37, device).reshape(T, H), weight=wave(V * H, 0.71, device).reshape(V, H),
+                    targets=targets, **kw)
+    return {"small": case(1, 32, 97), "large": case(300, 64, 1000, chunk_size=64, temperature=0.7,
+                                                     return_entropy=True),
+            "bias": case(40, 16, 50, bias=wave(50, 0.5, device) * 0.1, return_entropy=True)}
+
+
+SPEC = declare(OpSpec(
+    "linear_logprobs", cuda=("triton", "torch-tuned", "torch"), cpu=("torch-tuned", "triton", "torch"),
+    ops={"triton": "linear_logprobs_fwd", "torch-tuned": "linear_logprobs_fwd"},
+    fn=linear_logprobs, reference=reference_linear_logprobs, cases=_cases, grads=("hidden", "weight", "bias"),
+    tol=(1e-4, 1e-5), kernels=("linear_logprobs",), bench="bench_linear_logprobs", speed=("linear_logprobs",),
+    also=("linear_logprobs_loss",)))

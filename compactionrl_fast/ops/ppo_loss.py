@@ -18,6 +18,7 @@ from ..reference import losses as ref
 from ._dispatch import custom_op, resolve_backend
 from ._reduction import REDUCTIONS, segment_weights
 from ._register import loss_autograd, register_op
+from ._registry import LARGE, SMALL, OpSpec, declare, packed, wave
 from ._validate import FLOAT_DTYPES, check_choice, check_denominator, check_float, check_layout, check_tensor
 
 METRICS = ("clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_max", "log_ratio")
@@ -137,3 +138,27 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, cu_seqlens
                           NO_DUAL_CLIP if dual_clip is None else float(dual_clip), INF if tis_cap is None else float(tis_cap),
                           need_grad)
     return loss, dict(zip(METRICS, metrics.detach().unbind(0)))
+
+
+# ---------------------------------------------------------------- the op's entry in the registry (ops/_registry.py)
+
+
+def _cases(device):
+    def case(layout, reduction, **kw):
+        b = packed(device, *layout)
+        T = b["loss_mask"].numel()
+        old = wave(T, 1.1, device) * 0.5 - 1.0
+        return dict(logprobs=old + 0.3 * wave(T, 0.7, device), old_logprobs=old, advantages=wave(T, 1.9, device),
+                    loss_mask=b["loss_mask"], cu_seqlens=b["cu_seqlens"], cu_segments=b["cu_segments"],
+                    reduction=reduction, **{k: v(old) if callable(v) else v for k, v in kw.items()})
+    tis = dict(rollout_logprobs=lambda old: old + 0.2 * wave(old.numel(), 2.9, device), tis_cap=2.0)
+    return {"small": case(SMALL, "token-mean"), "large": case(LARGE, "rollout-mean", **tis),
+            "dual clip": case(SMALL, "segment-mean", clip_low=0.2, clip_high=0.28, dual_clip=3.0),
+            "tensor denominator": case(SMALL, "token-mean", denominator=torch.full((), 40.0, device=device))}
+
+
+SPEC = declare(OpSpec(
+    "ppo_policy_loss", cuda=("triton", "cuda", "torch"), cpu=("cpp", "triton", "torch"),
+    ops={"triton": "ppo_policy_loss_triton", "cuda": "ppo_policy_loss", "cpp": "ppo_policy_loss"},
+    fn=ppo_policy_loss, reference=ref.ppo_policy_loss, cases=_cases, grads=("logprobs",),
+    kernels=("ppo_loss", "segments"), bench="bench_losses", speed=("ppo_policy_loss",)))

@@ -22,6 +22,7 @@ from . import _dispatch
 from ._dispatch import resolve_backend
 from ..reference import losses as ref
 from ._register import register_op
+from ._registry import OpSpec, declare, wave
 from ._validate import check_tensor
 from .value_loss import value_loss
 
@@ -209,3 +210,20 @@ def value_head_loss(hidden, weight, bias, old_values, returns, loss_mask, **valu
         hidden = torch.where(loss_mask[:, None], hidden, 0.0)
     return value_loss(value_head(hidden, weight, bias, backend=head), old_values, returns, loss_mask, backend=loss,
                       **value_loss_kwargs)
+
+
+# ---------------------------------------------------------------- the op's entry in the registry (ops/_registry.py)
+
+
+def _cases(device):
+    def case(T, H, bias):
+        return dict(hidden=wave(T * H, 0.37, device).reshape(T, H), weight=wave(H, 1.3, device) / H ** 0.5,
+                    bias=torch.full((), 0.25, device=device) if bias else None)
+    return {"small": case(1, 64, True), "large": case(1000, 96, False), "no bias": case(33, 8, False)}
+
+
+SPEC = declare(OpSpec(
+    "value_head", cuda=("triton", "torch-tuned", "torch"), cpu=("cpp", "torch-tuned", "triton", "torch"),
+    ops={"triton": "value_head_fwd_triton", "cpp": "value_head_fwd", "torch-tuned": "value_head_fwd_torch"},
+    fn=value_head, reference=ref.value_head, cases=_cases, grads=("hidden", "weight", "bias"), tol=(1e-5, 1e-5),
+    kernels=("value_head",), bench="bench_losses", speed=("value_head_loss",), also=("value_head_loss",)))

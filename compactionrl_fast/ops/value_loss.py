@@ -17,6 +17,7 @@ from ..reference import losses as ref
 from ._dispatch import custom_op, resolve_backend
 from ._reduction import REDUCTIONS, segment_weights
 from ._register import loss_autograd, register_op
+from ._registry import LARGE, SMALL, OpSpec, declare, packed, wave
 from ._validate import FLOAT_DTYPES, check_choice, check_denominator, check_float, check_layout, check_tensor
 
 METRICS = ("clip_fraction", "value_mean", "explained_variance")
@@ -98,3 +99,25 @@ def value_loss(values, old_values, returns, loss_mask, *, clip=None, cu_seqlens=
                           None if cu_seqlens is None else cu_seqlens.contiguous(), seg_scale,
                           -1.0 if clip is None else clip, need_grad)
     return loss, dict(zip(METRICS, metrics.detach().unbind(0)))
+
+
+# ---------------------------------------------------------------- the op's entry in the registry (ops/_registry.py)
+
+
+def _cases(device):
+    def case(layout, reduction, clip):
+        b = packed(device, *layout)
+        T = b["loss_mask"].numel()
+        old = wave(T, 1.3, device)
+        return dict(values=old + 0.3 * wave(T, 0.7, device), old_values=old, returns=wave(T, 1.9, device),
+                    loss_mask=b["loss_mask"], cu_seqlens=b["cu_seqlens"], cu_segments=b["cu_segments"],
+                    reduction=reduction, clip=clip)
+    return {"small": case(SMALL, "token-mean", 0.2), "large": case(LARGE, "segment-mean", None),
+            "rollout-mean": case(SMALL, "rollout-mean", 0.1)}
+
+
+SPEC = declare(OpSpec(
+    "value_loss", cuda=("triton", "cuda", "torch"), cpu=("cpp", "triton", "torch"),
+    ops={"triton": "value_loss_triton", "cuda": "value_loss", "cpp": "value_loss"},
+    fn=value_loss, reference=ref.value_loss, cases=_cases, grads=("values",),
+    kernels=("value_loss", "segments"), bench="bench_losses", speed=("value_loss",)))

@@ -1,6 +1,6 @@
 """torch.compile(fullgraph=True) through the ops, without graph breaks and with the eager numbers:
 place_final_rewards then segment_gae; the value ops (value_loss, value_head, value_head_loss,
-global_token_count as a tensor) forward and backward."""
+global_token_count as a tensor) forward and backward; and every registered op on its spec's small case."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +9,7 @@ import torch
 import compactionrl_fast as crf
 from compactionrl_fast.ops import _dispatch
 from compactionrl_fast.reference import gae as ref_gae
+from tests.ops import registry_runs as reg
 
 
 @pytest.mark.parametrize("backend", [b for b in ("cpp", "triton") if b in _dispatch.available(torch.device("cpu"))])
@@ -62,3 +63,27 @@ def test_value_ops_compile_fullgraph_forward_and_backward(backend):
     got = run(torch.compile(step, fullgraph=True, backend="aot_eager"))
     for a, e in zip(got, want):
         torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-7)
+
+
+def _compile_params():
+    out = []
+    for spec in reg.public_specs():
+        for b in (b for b in spec.cpu if b in ("cpp", "triton", "torch-tuned")
+                  and b in _dispatch.available(torch.device("cpu"))):
+            out.append(pytest.param(spec.name, b, id=f"{spec.name}-{b}"))
+    return out
+
+
+@pytest.mark.parametrize("op,backend", _compile_params())
+def test_registered_op_compiles_fullgraph(op, backend):
+    """Every registered op (compactionrl_fast/ops/_registry.py) on its spec's small case: one graph, forward and
+    backward, with the eager numbers."""
+    torch._dynamo.reset()
+    spec = reg.SPECS[op]
+    kw = spec.cases(torch.device("cpu"))["small"]
+    want = reg.run(spec, kw, backend)
+    compiled = torch.compile(lambda **a: spec.fn(**a, backend=backend), fullgraph=True, backend="aot_eager")
+    got = reg.run(spec, kw, backend, fn=lambda **a: compiled(**{k: v for k, v in a.items() if k != "backend"}))
+    for g, w in zip(got[0] + got[1], want[0] + want[1]):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+    assert len(got[0]) == len(want[0]) and len(got[1]) == len(want[1])

@@ -1,5 +1,5 @@
-"""No host sync on CUDA tensors and few eager ops per call: every op, the registered backwards, and
-segment_gae's Triton glue down to its (stubbed) launches.
+"""No host sync on CUDA tensors and few eager ops per call: every registered op on its spec's cases, the
+registered backwards, and segment_gae's Triton glue down to its (stubbed) launches.
 
 Sync-freedom is checked without a GPU: under FakeTensorMode, tensors made with device="cuda" exist on a
 CPU-only torch, and any read of device data on the host raises DataDependentOutputException.
@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import compactionrl_fast as crf
 from compactionrl_fast.kernels import _launch as klaunch
 from compactionrl_fast.ops import _dispatch
+from tests.ops import registry_runs as reg
 from tests.utils import RecordOps, stub_launches
 
 
@@ -25,30 +26,34 @@ def _fake_batch(T=64):
                 targets=torch.zeros(T, dtype=torch.int64, device=dev), dev=dev, T=T)
 
 
-# (name, call, eager-op budget): what each op may dispatch around its kernels (outputs included); a change
-# that adds ops or a host sync fails here.
+# Every registered op's spec cases (compactionrl_fast/ops/_registry.py: a new op is checked with no edit here),
+# within its spec's eager-op budget: what it may dispatch around its kernels (outputs included); a change that
+# adds ops or a host sync fails here.
+REGISTERED = [(s.name, c) for s in reg.public_specs() for c in s.cases(torch.device("cpu"))]
+
+
+@pytest.mark.skipif(not _dispatch.has_triton(), reason="the CUDA default backend is triton")
+@pytest.mark.parametrize("op,case", REGISTERED, ids=[f"{o}-{c}" for o, c in REGISTERED])
+def test_registered_op_has_no_host_sync_on_cuda(op, case):
+    spec = reg.SPECS[op]
+    with FakeTensorMode():
+        kw = spec.cases(torch.device("cuda"))[case]
+        counter = RecordOps()
+        with counter:
+            spec.fn(**kw)  # a host read of device data raises DataDependentOutputException here
+    assert counter.total <= spec.budget, f"{op} {case}: {counter.total} ops > {spec.budget}: {dict(counter.ops)}"
+
+
+# (name, call, eager-op budget): the calls the specs' cases do not make (other backends and arguments, the
+# functions built on the ops)
 CALLS = [
-    ("segment_gae", lambda b: crf.segment_gae(b["x"], b["y"], b["mask"], b["cu"], b["cs"]), 8),
-    ("segment_gae lam tensor", lambda b: crf.segment_gae(b["x"], b["y"], b["mask"], b["cu"], b["cs"],
-                                                         lam=torch.full((3,), 0.9, device=b["dev"])), 8),
-    ("segment_params", lambda b: crf.segment_params(b["mask"], b["cu"], b["cs"]), 8),
-    ("segment_params lam tensor", lambda b: crf.segment_params(b["mask"], b["cu"], b["cs"],
-                                                               lam=torch.full((3,), 0.9, device=b["dev"])), 8),
-    ("place_final_rewards", lambda b: crf.place_final_rewards(b["rr"], b["mask"], b["cu"], b["cs"]), 8),
     ("place_final_rewards stitched torch-tuned", lambda b: crf.place_final_rewards(
         b["rr"], b["mask"], b["cu"], b["cs"], "stitched", backend="torch-tuned"), 8),
-    ("ppo_policy_loss token-mean", lambda b: crf.ppo_policy_loss(b["x"], b["y"], b["y"], b["mask"],
-                                                                 cu_seqlens=b["cu"], cu_segments=b["cs"]), 8),
     ("ppo_policy_loss denominator", lambda b: crf.ppo_policy_loss(b["x"], b["y"], b["y"], b["mask"], denominator=512.0), 8),
-    ("ppo_policy_loss tensor denominator", lambda b: crf.ppo_policy_loss(
-        b["x"], b["y"], b["y"], b["mask"], denominator=torch.full((), 40.0, device=b["dev"])), 8),
-    ("ppo_policy_loss rollout-mean", lambda b: crf.ppo_policy_loss(b["x"], b["y"], b["y"], b["mask"], cu_seqlens=b["cu"],
-                                                                   cu_segments=b["cs"], reduction="rollout-mean"), 8),
-    ("value_loss", lambda b: crf.value_loss(b["x"], b["y"], b["y"], b["mask"], cu_seqlens=b["cu"], clip=0.2), 8),
     ("global_token_count", lambda b: crf.global_token_count(b["mask"], as_tensor=True), 8),
     ("value_head_loss", lambda b: crf.value_head_loss(b["h"], b["w"], None, b["x"], b["y"], b["mask"], clip=0.2), 8),
-    ("linear_logprobs", lambda b: crf.linear_logprobs(b["h"], b["lm_head"], b["targets"], return_entropy=True,
-                                                      temperature=0.7), 8),
+    ("linear_logprobs bf16", lambda b: crf.linear_logprobs(b["h"], b["lm_head"], b["targets"], return_entropy=True,
+                                                           temperature=0.7), 8),
 ]
 
 

@@ -10,6 +10,7 @@ Architectures come from TORCH_CUDA_ARCH_LIST (default "8.0;9.0"). The C++ standa
 Every environment variable is listed in docs/development.md ("Environment variables").
 """
 import glob
+import importlib.util
 import os
 import re
 import shutil
@@ -112,6 +113,16 @@ def want_cuda():
     return True
 
 
+def write_modes_header():
+    """csrc/common/modes.h, the mode codes the kernels read, from the one table kernels/modes.py (generated here,
+    not committed). modes.py is loaded by path: it imports nothing of the package."""
+    spec = importlib.util.spec_from_file_location("_crf_modes", os.path.join(here, "kernels", "modes.py"))
+    modes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(modes)
+    if modes.write_header(here):
+        say(f"wrote {modes.HEADER} from kernels/modes.py")
+
+
 def extension():
     rel = lambda pattern: sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, pattern)))
     sources = ["csrc/module.cpp", "csrc/schemas.cpp"] + rel("csrc/cpu/*.cpp")  # schemas.cpp: every op's schema
@@ -125,6 +136,7 @@ def extension():
     return cpp_extension.CppExtension("compactionrl_fast._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)
 
 
+write_modes_header()
 setup(
     packages=["compactionrl_fast", "compactionrl_fast.kernels"]
     + [f"compactionrl_fast.{p}" for p in ("ops", "reference", "rollout", "rollout.engines", "envs", "train",

@@ -1,8 +1,9 @@
 """The ops' modes, defined once: each mode's name (what the Python API takes) and integer code (what the
 kernels read). Imported by the package (compactionrl_fast/ops/*) and the Triton kernels (kernels/*); the
-C++/CUDA code reads the same codes from csrc/common/modes.h, which this module writes:
+C++/CUDA code reads the same codes from csrc/common/modes.h, which this module writes at build time (setup.py,
+CMakeLists.txt and the tests' host builds run it; the header is not committed, so it cannot go stale):
 
-    python -m compactionrl_fast.kernels --write-header     (after editing a table; tests/test_modes.py checks it)
+    python -m compactionrl_fast.kernels --write-header     (or `python kernels/modes.py --write-header`: no imports)
 
 A Python constant is PREFIX_NAME (CROSS_STITCHED), its C++ constant kPrefixName (crf::kCrossStitched).
 """
@@ -51,8 +52,10 @@ TABLE = {
     "reward_placement": (REWARD_PLACEMENT, "REWARD", "RewardPlacement"),
 }
 
-HEADER = os.path.join("csrc", "common", "modes.h")  # relative to the repository root
+HEADER = os.path.join("csrc", "common", "modes.h")  # relative to the repository root; generated, git-ignored
 WRITE_HEADER = "python -m compactionrl_fast.kernels --write-header"  # the command that writes it (kernels/__main__.py)
+# kernels/ sits in the repository root (the package reaches it through a symlink or package_dir)
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 
 def needs_counts(lam_mode: int, cross: int) -> bool:
@@ -79,8 +82,8 @@ def cpp_name(prefix: str, name: str) -> str:
 
 def header() -> str:
     """The text of csrc/common/modes.h."""
-    lines = [f"// Generated from kernels/modes.py (edit the table there): {WRITE_HEADER}",
-             "// The ops' mode codes for the C++/CUDA kernels; tests/test_modes.py checks this file is current.",
+    lines = ["// Generated from kernels/modes.py at build time (setup.py, CMakeLists.txt, the tests' host builds);",
+             "// not committed: edit the table there. The ops' mode codes for the C++/CUDA kernels.",
              "#pragma once", "#include <cstdint>", "", "namespace crf {", ""]
     for group, (modes, prefix, enum) in TABLE.items():
         items = [f"{cpp_name(prefix, n)} = {c}" for n, c in modes.items()]
@@ -106,14 +109,29 @@ def header() -> str:
     return "\n".join(lines)
 
 
+def write_header(root: str = ROOT) -> bool:
+    """Write <root>/csrc/common/modes.h from the table; True if it changed. An unchanged header is left alone
+    (its time too), so that a build recompiles only after an edit of the table."""
+    path = os.path.join(root, HEADER)
+    text = header()
+    try:
+        with open(path) as f:
+            if f.read() == text:
+                return False
+    except FileNotFoundError:
+        pass
+    tmp = f"{path}.{os.getpid()}.tmp"  # renamed into place: a parallel build never reads half a header
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return True
+
+
 def main(argv):
-    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # kernels/ sits in the repository root
     if argv != ["--write-header"]:
         sys.exit(f"usage: {WRITE_HEADER}")
-    path = os.path.join(root, HEADER)
-    with open(path, "w") as f:
-        f.write(header())
-    print(f"wrote {path}")
+    changed = write_header()
+    print(f"{'wrote' if changed else 'up to date:'} {os.path.join(ROOT, HEADER)}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""The modes table (kernels/modes.py) is the one definition of every mode's name and code: the committed
-C++ header is the one it generates, the extension was compiled with the same codes, the package takes its
-names from it, and the Triton kernels compare against its constants, not literals."""
+"""The modes table (kernels/modes.py) is the one definition of every mode's name and code: the C++ header is
+generated from it at build time (never committed), the extension was compiled with the same codes, the package
+takes its names from it, and the Triton kernels compare against its constants, not literals."""
 import os
 import re
+import shutil
+import subprocess
+import sys
 import types
 
 import pytest
@@ -14,10 +17,28 @@ from compactionrl_fast.ops._dispatch import cpp_ext
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_committed_header_is_the_generated_one():
+def test_the_header_is_generated_not_committed(tmp_path):
+    """The builds write csrc/common/modes.h from the table: written when missing or stale, left alone (its time
+    too, so nothing recompiles) when current; by kernels/modes.py run as a plain script, as CMake runs it."""
+    os.makedirs(tmp_path / "csrc" / "common")
+    path = tmp_path / modes.HEADER
+    path.write_text("// stale\n")
+    assert modes.write_header(str(tmp_path)) is True
+    assert path.read_text() == modes.header()
+    os.utime(path, (1, 1))
+    assert modes.write_header(str(tmp_path)) is False
+    assert path.stat().st_mtime == 1 and os.listdir(path.parent) == ["modes.h"]
+    os.remove(path)
+    script = os.path.join(ROOT, "kernels", "modes.py")
+    out = subprocess.run([sys.executable, "-I", script, "--write-header"], capture_output=True, text=True,
+                         cwd=tmp_path, check=True).stdout
+    assert out.split()[-1] == os.path.join(ROOT, modes.HEADER)  # a script run writes the checkout's header
     with open(os.path.join(ROOT, modes.HEADER)) as f:
-        assert f.read() == modes.header(), \
-            f"{modes.HEADER} is stale: run `python -m compactionrl_fast.kernels --write-header`"
+        assert f.read() == modes.header()
+    if shutil.which("git") and os.path.isdir(os.path.join(ROOT, ".git")):
+        tracked = subprocess.run(["git", "ls-files", modes.HEADER], cwd=ROOT, capture_output=True, text=True)
+        ignored = subprocess.run(["git", "check-ignore", "-q", modes.HEADER], cwd=ROOT)
+        assert tracked.stdout == "" and ignored.returncode == 0, f"{modes.HEADER} must be generated, not committed"
 
 
 @pytest.mark.skipif(cpp_ext() is None, reason="the C++ extension is not built")

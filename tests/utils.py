@@ -148,7 +148,10 @@ def build_host_lib(out_dir, source: str, defines: dict, name: str):
 
     if shutil.which("g++") is None:
         pytest.skip("g++ not found")
+    from compactionrl_fast.kernels import modes
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    modes.write_header(root)  # csrc/common/modes.h is generated, not committed (setup.py writes it too)
     out = os.path.join(str(out_dir), name)
     # -fno-gnu-unique: each build keeps its own template statics (the emulated shared memory)
     subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-fno-gnu-unique",

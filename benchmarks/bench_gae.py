@@ -379,6 +379,22 @@ def run(shapes, device, *, budget_s=1.0, stat="median_ms", loops=True, plans=Fal
     return rows
 
 
+def speed_check():
+    """benchmarks/check_speedups.py's case (the registry's `speed` key -> (reference fn, op fn)): cpp against
+    `reference.masked_gae`, the per-step loop trainers run on the padded layout (the per-token float64 oracle is
+    too slow at a size where the kernel, not the call overhead, counts), 128K tokens; segment_params (cpp) against
+    its reference."""
+    b = make_batch(64, 2048)
+    pad = [to_padded(b[k], b["cu_seqlens"])[0] for k in ("rewards", "values")]
+    mask = to_padded(b["loss_mask"], b["cu_seqlens"], fill=False)[0]
+    from compactionrl_fast.reference.gae import segment_params
+
+    p = make_batch(64, 2048, segments=4)  # segment_params: 256 segments, cpp against the reference's loop
+    layout = (p["loss_mask"], p["cu_seqlens"], p["cu_segments"])
+    return {"segment_gae": (lambda: masked_gae(*pad, mask, GAMMA, LAM), lambda: run_backend(b, "cpp")),
+            "segment_params": (lambda: segment_params(*layout), lambda: crf.segment_params(*layout, backend="cpp"))}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small shapes (seconds), for CI")

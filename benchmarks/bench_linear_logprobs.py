@@ -167,6 +167,13 @@ def run(shapes, device, *, budget_s=1.0):
     return rows
 
 
+def speed_check():
+    """benchmarks/check_speedups.py's case (the registry's `speed` key -> (reference fn, op fn)): the CPU chunk
+    loop against `reference.naive_linear_logprobs`, forward and backward, T=256, H=256, V=8192."""
+    h, w, y = make_inputs(256, 256, 8192, torch.float32, "cpu")
+    return {"linear_logprobs": (lambda: naive_step(h, w, y, False), lambda: chunked_step(h, w, y, False))}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = p.add_mutually_exclusive_group()

@@ -277,6 +277,34 @@ def run(shapes, device, *, budget_s=1.0, compile_naive=False):
     return rows
 
 
+def speed_check(clip=0.2):
+    """benchmarks/check_speedups.py's cases (the registry's `speed` keys -> (reference fn, op fn)), forward and
+    backward: ppo_policy_loss and value_loss (cpp) against the float64 references, token-mean with cu_seqlens,
+    256K tokens; value_head_loss with a bf16 hidden (the C++ head) against reference value_head + value_loss."""
+    from compactionrl_fast import reference as ref
+
+    grads = torch.autograd.grad
+    x = make_inputs(32, 8192)
+    lp, v = x["logprobs"].clone().requires_grad_(), x["values"].clone().requires_grad_()
+    mk, cu = x["loss_mask"], x["cu_seqlens"]
+    pol = dict(cu_seqlens=cu, clip_low=clip, clip_high=clip)
+    out = {"ppo_policy_loss": (
+        lambda: grads(ref.ppo_policy_loss(lp, x["old_logprobs"], x["advantages"], mk, **pol)[0], [lp]),
+        lambda: grads(crf.ppo_policy_loss(lp, x["old_logprobs"], x["advantages"], mk, **pol)[0], [lp]))}
+    out["value_loss"] = (
+        lambda: grads(ref.value_loss(v, x["old_values"], x["returns"], mk, clip=clip, cu_seqlens=cu)[0], [v]),
+        lambda: grads(crf.value_loss(v, x["old_values"], x["returns"], mk, clip=clip, cu_seqlens=cu)[0], [v]))
+    T, Hd = 8192, 1024
+    xs = make_inputs(8, T // 8)
+    h = {k: t.requires_grad_() for k, t in head_inputs(T, Hd, torch.bfloat16).items()}
+    leaves = [h["hidden"], h["weight"], h["bias"]]
+    hv = (xs["old_values"], xs["returns"], xs["loss_mask"])
+    out["value_head_loss"] = (
+        lambda: grads(ref.value_loss(ref.value_head(*leaves), *hv, clip=clip)[0], leaves),
+        lambda: grads(crf.value_head_loss(*leaves, *hv, clip=clip)[0], leaves))
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = p.add_mutually_exclusive_group()

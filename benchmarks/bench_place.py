@@ -86,6 +86,17 @@ COLUMNS = [("shape", "shape", ""), ("name", "formulation", ""), ("median_ms", "m
            ("min_ms", "min ms", ".3f"), ("cpu_ms", "CPU ms", ".3f"), ("x_gae", "x GAE", ".2f"), ("reps", "rounds", "d")]
 
 
+def speed_check():
+    """benchmarks/check_speedups.py's case (the registry's `speed` key -> (reference fn, op fn)): cpp against the
+    torch-tuned backend (a cummax over the tokens; the float64 oracle, backend "torch", loops over tokens in
+    Python, too slow at this size), 32 rollouts of 4 segments, 128K tokens."""
+    b = make_batch(32, 4096, segments=4)
+    args = (torch.randn(32, generator=torch.Generator().manual_seed(0)), b["loss_mask"], b["cu_seqlens"],
+            b["cu_segments"])
+    return {"place_final_rewards": (lambda: crf.place_final_rewards(*args, backend="torch-tuned"),
+                                    lambda: crf.place_final_rewards(*args))}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="one small shape (seconds), for CI")

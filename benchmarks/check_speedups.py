@@ -1,6 +1,6 @@
 """Speed check for CI (`make bench-check`): each op's default CPU backend against its naive reference.
 
-    python benchmarks/check_speedups.py [--json build/bench-check.json] [--budget S] [--record]
+    python benchmarks/check_speedups.py [--json build/bench-check.json] [--budget S] [--record] [--only K,..]
 
 One process, 1 thread. For every op below, the op and its reference are called alternately (one call of
 each per round, `_harness.time_round_robin`), and the speed-up is the ratio of their median process CPU
@@ -11,21 +11,19 @@ machine: a regression of the kind this check exists for (a kernel loop that stop
 times slower) fails, the rounds' noise does not. A ratio does not depend on the machine's speed as an
 absolute time would; it can depend on its vector width. Wall medians are in the JSON rows too.
 
-Ops (forward + backward where the op has gradients), inputs from the benchmark scripts' makers:
-- segment_gae: cpp against `reference.masked_gae`, the per-step loop trainers run on the padded layout
-  (the per-token float64 oracle is too slow at a size where the kernel, not the call overhead, counts);
-- ppo_policy_loss, value_loss: cpp against the float64 references, token-mean with cu_seqlens;
-- value_head_loss: bf16 hidden (the C++ head) against `reference.value_head` + `reference.value_loss`;
-- linear_logprobs: the CPU chunk loop against `reference.naive_linear_logprobs`;
-- place_final_rewards: cpp against the torch-tuned backend (a cummax over the tokens; the float64 oracle,
-  backend "torch", loops over tokens in Python, too slow at this size), rollouts of 4 segments.
+The ops come from the registry (compactionrl_fast/ops/_registry.py): each spec's `speed` keys are timed on the
+cases its benchmark module's `speed_check()` gives (benchmarks/<spec.bench>.py: the inputs, the op and the
+reference it is compared with, forward + backward where the op has gradients), and judged against the floors
+under the same keys. A new op needs no edit here: its speed_check, and its floor (`--record --only KEY`).
 
 `--record` writes the measured speed-ups and floors (half of each) to the floors file, with the git
-revision and load they were measured at. The name is not bench_*.py: `python -m benchmarks` runs those.
+revision and load they were measured at (with `--only`, those keys' entries, each with its own revision and
+load; the others kept). The name is not bench_*.py: `python -m benchmarks` runs those.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -35,68 +33,31 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import compactionrl_fast as crf  # noqa: E402
-from compactionrl_fast import reference as ref  # noqa: E402
-from compactionrl_fast.reference.gae import masked_gae  # noqa: E402
+from compactionrl_fast.ops._registry import SPECS  # noqa: E402
 
 from benchmarks import _harness as H  # noqa: E402
 
 FLOORS = os.path.join(H.REPO, "benchmarks", "check_speedups_floors.json")
-CLIP = 0.2
 
 
-def _grads(loss, leaves):
-    return torch.autograd.grad(loss, leaves)
-
-
-def cases():
-    """{op: (reference fn, op fn)}: zero-argument callables of one training step's worth of work each."""
-    from benchmarks import bench_gae, bench_linear_logprobs, bench_losses
-
-    out = {}
-    b = bench_gae.make_batch(64, 2048)  # 128K tokens
-    pad = [bench_gae.to_padded(b[k], b["cu_seqlens"])[0] for k in ("rewards", "values")]
-    mask = bench_gae.to_padded(b["loss_mask"], b["cu_seqlens"], fill=False)[0]
-    out["segment_gae"] = (lambda: masked_gae(*pad, mask, bench_gae.GAMMA, bench_gae.LAM),
-                          lambda: bench_gae.run_backend(b, "cpp"))
-
-    x = bench_losses.make_inputs(32, 8192)  # 256K tokens
-    lp, v = x["logprobs"].clone().requires_grad_(), x["values"].clone().requires_grad_()
-    mk, cu = x["loss_mask"], x["cu_seqlens"]
-    pol = dict(cu_seqlens=cu, clip_low=CLIP, clip_high=CLIP)
-    out["ppo_policy_loss"] = (
-        lambda: _grads(ref.ppo_policy_loss(lp, x["old_logprobs"], x["advantages"], mk, **pol)[0], [lp]),
-        lambda: _grads(crf.ppo_policy_loss(lp, x["old_logprobs"], x["advantages"], mk, **pol)[0], [lp]))
-    out["value_loss"] = (
-        lambda: _grads(ref.value_loss(v, x["old_values"], x["returns"], mk, clip=CLIP, cu_seqlens=cu)[0], [v]),
-        lambda: _grads(crf.value_loss(v, x["old_values"], x["returns"], mk, clip=CLIP, cu_seqlens=cu)[0], [v]))
-
-    T, Hd = 8192, 1024
-    xs = bench_losses.make_inputs(8, T // 8)
-    h = {k: t.requires_grad_() for k, t in bench_losses.head_inputs(T, Hd, torch.bfloat16).items()}
-    leaves = [h["hidden"], h["weight"], h["bias"]]
-    hv = (xs["old_values"], xs["returns"], xs["loss_mask"])
-    out["value_head_loss"] = (
-        lambda: _grads(ref.value_loss(ref.value_head(*leaves), *hv, clip=CLIP)[0], leaves),
-        lambda: _grads(crf.value_head_loss(*leaves, *hv, clip=CLIP)[0], leaves))
-
-    bp = bench_gae.make_batch(32, 4096, segments=4)  # 128K tokens
-    place = (torch.randn(32, generator=torch.Generator().manual_seed(0)), bp["loss_mask"], bp["cu_seqlens"],
-             bp["cu_segments"])
-    out["place_final_rewards"] = (lambda: crf.place_final_rewards(*place, backend="torch-tuned"),
-                                  lambda: crf.place_final_rewards(*place))
-
-    hl, wl, yl = bench_linear_logprobs.make_inputs(256, 256, 8192, torch.float32, "cpu")
-    out["linear_logprobs"] = (lambda: bench_linear_logprobs.naive_step(hl, wl, yl, False),
-                              lambda: bench_linear_logprobs.chunked_step(hl, wl, yl, False))
+def cases(only=None):
+    """{speed key: (reference fn, op fn)}: zero-argument callables of one training step's worth of work each, for
+    every registered op's `speed` keys (or those in `only`), from its benchmark module's `speed_check()`."""
+    made, out = {}, {}
+    for spec in SPECS.values():
+        for key in spec.speed:
+            if only is None or key in only:
+                if spec.bench not in made:
+                    made[spec.bench] = importlib.import_module(f"benchmarks.{spec.bench}").speed_check()
+                out[key] = made[spec.bench][key]
     return out
 
 
-def measure(budget_s, min_rounds=7, max_rounds=100):
+def measure(budget_s, min_rounds=7, max_rounds=100, only=None):
     """{op: {"ref_ms", "op_ms", ...}}: median CPU ms (and wall ms) of round-robin calls after one warm-up each."""
     H.settle_malloc()
     out = {}
-    for op, (ref_fn, op_fn) in cases().items():
+    for op, (ref_fn, op_fn) in cases(only).items():
         print(f"... {op}", file=sys.stderr, flush=True)
         ref_fn(), op_fn()
         t = H.time_round_robin({"ref": ref_fn, "op": op_fn}, torch.device("cpu"), budget_s=budget_s,
@@ -117,14 +78,22 @@ def judge(timings, floors):
     return rows
 
 
-def record(path, rows, env):
-    """Write the measured speed-ups, and floors at half of each, to the floors file; returns its "ops"."""
-    ops = {r["op"]: {"speedup": round(r["speedup"], 2), "floor": round(r["speedup"] / 2, 2)} for r in rows}
+def record(path, rows, env, only=False):
+    """Write the measured speed-ups, and floors at half of each, to the floors file; returns its "ops". `only`:
+    add or replace these rows' entries, each with its own git revision, date and load, and keep the rest."""
     meta = {k: env[k] for k in ("git", "date", "device", "torch", "loadavg_at_start")}
+    meta.update(threads=1, command=H.command_line())
+    new = {r["op"]: {"speedup": round(r["speedup"], 2), "floor": round(r["speedup"] / 2, 2)} for r in rows}
+    if only:
+        with open(path) as f:
+            saved = json.load(f)
+        for entry in new.values():
+            entry["recorded"] = meta
+        meta, new = saved["recorded"], {**saved["ops"], **new}
     with open(path, "w") as f:
-        json.dump({"recorded": {**meta, "threads": 1, "command": H.command_line()}, "ops": ops}, f, indent=1)
+        json.dump({"recorded": meta, "ops": new}, f, indent=1)
         f.write("\n")
-    return ops
+    return new
 
 
 COLUMNS = [("op", "op", ""), ("ref_ms", "ref CPU ms", ".3f"), ("op_ms", "op CPU ms", ".3f"),
@@ -137,12 +106,14 @@ def main(argv=None, measure=measure):
     p.add_argument("--floors", default=FLOORS, help="floors file (default: benchmarks/check_speedups_floors.json)")
     p.add_argument("--budget", type=float, default=5.0, help="seconds of timing per op (7 to 100 rounds)")
     p.add_argument("--record", action="store_true", help="write the measured speed-ups and floors to --floors")
+    p.add_argument("--only", help="comma-separated keys: time (and --record) only these, e.g. a new op's")
     args = p.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the floors are 1-thread ratios
     try:
         env = H.environment("cpu")
-        timings = measure(args.budget)
+        only = args.only.split(",") if args.only else None
+        timings = measure(args.budget, only=only)
     finally:
         torch.set_num_threads(threads)
     floors = {}
@@ -150,7 +121,7 @@ def main(argv=None, measure=measure):
         with open(args.floors) as f:
             floors = json.load(f)["ops"]
     if args.record:
-        floors = record(args.floors, judge(timings, {}), env)
+        floors = record(args.floors, judge(timings, {}), env, only=bool(only))
     rows = judge(timings, floors)
     print(f"{env['device']} | git {env['git']} | {env['date']} | load {env['loadavg_at_start']}")
     print(H.format_table(rows, COLUMNS))

@@ -356,7 +356,7 @@ PARAMS_SPEC = declare(OpSpec(
     "segment_params", cuda=("triton", "torch"), cpu=("cpp", "triton", "torch"),
     ops={"triton": "segment_gae_params_triton", "cpp": "segment_gae_params"},
     fn=segment_params, reference=ref.segment_params, cases=lambda device: _gae_cases(device, rewards=False),
-    tol=(1e-12, 1e-12), kernels=("gae_params",), bench="bench_gae"))
+    tol=(1e-12, 1e-12), kernels=("gae_params",), bench="bench_gae", speed=("segment_params",)))
 PLACE_SPEC = declare(OpSpec(
     "place_final_rewards", cuda=("triton", "cuda", "torch-tuned", "torch"),
     cpu=("cpp", "triton", "torch-tuned", "torch"),

@@ -1,6 +1,7 @@
 """What tests/test_aot.py compiles ahead of time for sm_80/sm_90, for every kernels/ module with Triton kernels:
 per module, [(kernel name, signature, constexprs[, compile options])] as `triton.compiler.ASTSource` takes
-them (tests/_aot.py). Test-only: the kernels/ modules themselves carry no AOT list.
+them (tests/_aot.py). The lists of the kernels modules below are kept here; a kernels module may instead
+declare its own as `AOT` (a new op's kernels/my_op.py does, docs/adding-an-op.md), which SPECS picks up.
 
 segment_gae (kernels/gae_*.py): every flag combination with int64 offsets, the default path (WRITE,
 OWN_CRITIC) with int32 offsets too, and the sizes as the JIT types them for a usual call (a Python int below
@@ -163,3 +164,18 @@ _PLACE += [("_place_kernel", dict(_PLACE_SIG, cu_ptr=f"*{idx}", cs_ptr=f"*{idx}"
 SPECS = {"gae_params": _PARAMS, "gae_chunk": _CHUNK, "gae_lookback": _LOOKBACK, "ppo_loss": _PPO,
          "value_loss": _VALUE_LOSS, "value_head": _VALUE_HEAD, "linear_logprobs": _LINEAR_LOGPROBS,
          "segments": _SEGMENTS, "place": _PLACE}
+
+
+def _declared():
+    """{module: AOT} of the kernels modules that declare their own list."""
+    import importlib
+    import pkgutil
+
+    import compactionrl_fast.kernels as pkg
+
+    mods = (importlib.import_module(f"{pkg.__name__}.{m.name}") for m in pkgutil.iter_modules(pkg.__path__)
+            if not m.name.startswith("_"))
+    return {m.__name__.rsplit(".", 1)[-1]: list(m.AOT) for m in mods if hasattr(m, "AOT")}
+
+
+SPECS.update(_declared())

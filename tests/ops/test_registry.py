@@ -117,7 +117,7 @@ def support_table() -> str:
         cols = []
         for device, order in (("cuda", s.cuda), ("cpu", s.cpu)):
             kernels = [NAMES[b] for b in order if b != "torch" and not (device == "cpu" and b == "triton")]
-            cols.append(", ".join([kernels[0] + " (default)"] + kernels[1:]))
+            cols.append(", ".join([kernels[0] + " (default)"] + kernels[1:]) if kernels else "torch (the reference)")
         rows.append(f"| {', '.join(f'`{n}`' for n in (s.name,) + s.also)} | {cols[0]} | {cols[1]} |")
     return "\n".join(rows)
 

@@ -24,9 +24,13 @@ anything is computed), so a bad batch never leaves one rank waiting in a collect
 """
 from __future__ import annotations
 
+import operator
+
+import numpy as np
 import torch
 
 from ... import ops
+from ...ops._reduction import segment_counts
 from .._common import critic_returns
 from ._options import advantage_options
 
@@ -63,41 +67,34 @@ def _cp_local_length(total_len, resp_len, cp_size):
 
 
 class _Rows:
-    """Samples as parallel lists: part (global position), rid, seg, reward, mask [n] int/bool, values [n] and
-    kl [n] (whole responses, or None)."""
+    """Samples as parallel lists: part (global position), rid, seg, reward, n (response length), mask [n] int/bool,
+    values [n] and kl [n] (whole responses, or None)."""
+
+    COLUMNS = ("part", "rid", "seg", "reward", "n", "mask", "values", "kl")
 
     def __init__(self):
-        self.part, self.rid, self.seg, self.reward, self.mask, self.values, self.kl = [], [], [], [], [], [], []
+        for k in self.COLUMNS:
+            setattr(self, k, [])
 
     def __len__(self):
         return len(self.part)
 
-    def add(self, part, rid, seg, reward, mask, values, kl):
-        self.part.append(part)
-        self.rid.append(rid)
-        self.seg.append(seg)
-        self.reward.append(reward)
-        self.mask.append(mask)
-        self.values.append(values)
-        self.kl.append(kl)
-
     def select(self, keep):
-        out = _Rows()
-        for i in range(len(self)):
-            if keep(i):
-                out.add(*(getattr(self, k)[i] for k in ("part", "rid", "seg", "reward", "mask", "values", "kl")))
+        out, idx = _Rows(), [i for i in range(len(self)) if keep(i)]
+        for k in self.COLUMNS:
+            setattr(out, k, [getattr(self, k)[i] for i in idx])
         return out
 
     def extend(self, other):
-        for k in ("part", "rid", "seg", "reward", "mask", "values", "kl"):
+        for k in self.COLUMNS:
             getattr(self, k).extend(getattr(other, k))
 
     def order(self):
         """Sample indices rollout by rollout (first appearance), segments by index; None when the samples are in
         that order already (then packing and unpacking keep list order)."""
         first = {r: k for k, r in enumerate(dict.fromkeys(self.rid))}
-        keys = [(first[r], s or 0) for r, s in zip(self.rid, self.seg)]
-        if all(a <= b for a, b in zip(keys, keys[1:])):
+        keys = list(zip(map(first.__getitem__, self.rid), [s or 0 for s in self.seg]))
+        if all(map(operator.le, keys, keys[1:])):
             return None
         return sorted(range(len(self)), key=keys.__getitem__)
 
@@ -108,6 +105,10 @@ def _require_keys(rollout_data):
         raise ValueError(f"rollout_data has no {missing}: this slime lacks the hooks compute_advantages needs "
                          "(rollout_ids and partition kept by _split_train_data_by_dp, as in slime 0.3.1 at "
                          "624b824); call it through --custom-advantage-function-path")
+
+
+def _numels(col):
+    return None if col is None else list(map(torch.Tensor.numel, col))
 
 
 def _columns(rollout_data, cp_size):
@@ -123,7 +124,7 @@ def _columns(rollout_data, cp_size):
                              "one entry per sample expected")
     rows = _Rows()
     rows.mask = list(rollout_data["loss_masks"])
-    if not (all(map(torch.is_tensor, rows.mask)) and set(map(torch.Tensor.dim, rows.mask)) <= {1}):
+    if not (set(map(type, rows.mask)) <= {torch.Tensor} and set(map(torch.Tensor.dim, rows.mask)) <= {1}):
         rows.mask = [torch.as_tensor(m).reshape(-1) for m in rows.mask]
     rows.part = list(map(int, rollout_data["partition"]))
     rows.rid = list(map(int, rollout_data["rollout_ids"]))
@@ -131,13 +132,13 @@ def _columns(rollout_data, cp_size):
     rows.reward = list(map(float, rollout_data["rewards"]))
     rows.values = [None] * n if values is None else list(values)
     rows.kl = [None] * n if kl is None else list(kl)
+    rows.n = list(map(torch.Tensor.numel, rows.mask))
     resp = list(map(int, rollout_data["response_lengths"]))
-    total = list(map(int, rollout_data["total_lengths"]))
+    total = None if cp_size == 1 else list(map(int, rollout_data["total_lengths"]))
     local = resp if cp_size == 1 else [_cp_local_length(t, r, cp_size) for t, r in zip(total, resp)]
     bad = []  # (sample, check order, name, entries, expected) of each column's first wrong length
-    for c, (name, col, want) in enumerate((("loss_mask", rows.mask, resp), ("values", values, local),
-                                           ("kl", kl, local))):
-        sizes = None if col is None else list(map(torch.Tensor.numel, col))
+    for c, (name, sizes, want) in enumerate((("loss_mask", rows.n, resp), ("values", _numels(values), local),
+                                             ("kl", _numels(kl), local))):
         if sizes is not None and sizes != want:
             i = next(i for i, (a, b) in enumerate(zip(sizes, want)) if a != b)
             bad.append((i, c, name, sizes[i], want[i]))
@@ -227,12 +228,12 @@ def _packed(rows, order, device):
         return col if order is None else [col[i] for i in order]
 
     masks, rid, reward = take(rows.mask), take(rows.rid), take(rows.reward)
-    lengths = [m.numel() for m in masks]
+    lengths = take(rows.n)
     mask = torch.cat(masks).to(device).bool()
     values = _cat(take(rows.values), lengths, device, torch.float32)
     kl = _cat(take(rows.kl), lengths, device, torch.float32)
     starts = [0] + [k for k in range(1, len(rid)) if rid[k] != rid[k - 1]]
-    cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(device)
+    cu_seqlens = torch.from_numpy(np.cumsum([0] + lengths, dtype=np.int64)).to(device)  # faster than torch.tensor
     cu_segments = torch.tensor(starts + [len(rid)], dtype=torch.int64, device=device)
     rr = torch.tensor([reward[k] for k in starts], dtype=torch.float32, device=device)
     return mask, values, kl, lengths, cu_seqlens, cu_segments, rr
@@ -277,11 +278,8 @@ def compute_advantages(args, rollout_data) -> None:
     order = rows.order()
     packed = _packed(rows, order, device) if rows and error is None else None
     counts = [0] * len(rows)
-    if packed is not None:  # trainable tokens per sample, from one cumulative sum over the packed mask
-        cs = torch.empty(packed[0].numel() + 1, dtype=torch.int32, device=device)
-        cs[0] = 0
-        torch.cumsum(packed[0].view(torch.uint8), 0, dtype=torch.int32, out=cs[1:])  # uint8: a faster kernel
-        packed_counts = cs[packed[4]].diff().tolist()
+    if packed is not None:  # trainable tokens per sample (one read of the packed mask, no [T] temporary)
+        packed_counts = segment_counts(packed[0], packed[4]).tolist()
         if order is None:
             counts = packed_counts
         for i, n in zip(order or (), packed_counts):

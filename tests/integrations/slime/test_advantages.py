@@ -169,3 +169,107 @@ def test_bad_lengths_and_options_raise(world1):
     old = {k: v for k, v in good.items() if k != "rollout_ids"}
     with pytest.raises(ValueError, match="lacks the hooks"):
         compute_advantages(args, old)
+
+
+# ------------------------------------------------------------ the fast paths against the full ones
+# compute_advantages skips _check_rollouts when _plainly_valid says the batch passes it (one rank), and keeps
+# list order when the samples are in rollout/segment order already (Rows.order() is None). Each shortcut is
+# run here against its full twin, forced by monkeypatch, on valid and broken batches: same error or the
+# same numbers bit for bit.
+
+
+def _permuted(rd, perm):
+    n = len(rd["loss_masks"])
+    return {k: [v[i] for i in perm] if isinstance(v, list) and len(v) == n else v for k, v in rd.items()}
+
+
+def _broken(rd, rng):
+    """rollout_data with one random defect (or none), a permutation of its samples, and the case's name."""
+    rd = dict(rd)
+    n = len(rd["loss_masks"])
+    i, j = rng.randrange(n), rng.randrange(n)
+    how = rng.choice(["none", "none", "reward", "repeat", "shift", "gap", "move", "untrainable", "no_index"])
+    col = {k: list(rd[k]) for k in ("rewards", "round_number", "rollout_ids", "loss_masks")}
+    if how == "reward":
+        col["rewards"][i] += 0.5
+    elif how == "repeat":  # an index of another sample of the same rollout, if it has one
+        col["round_number"][i] = col["round_number"][next((k for k in range(n) if k != i and
+                                                          col["rollout_ids"][k] == col["rollout_ids"][i]), i)]
+    elif how == "shift":  # 1..n instead of 0..n-1: complete and distinct, but not from 0
+        col["round_number"] = [s + (r == col["rollout_ids"][i]) for s, r in zip(col["round_number"],
+                                                                                 col["rollout_ids"])]
+    elif how == "gap":
+        col["round_number"][i] += rng.choice([1, 2, 5])
+    elif how == "move":  # a segment handed to another rollout (same or different reward)
+        col["rollout_ids"][i] = col["rollout_ids"][j]
+    elif how == "untrainable":
+        col["loss_masks"][i] = torch.zeros_like(col["loss_masks"][i])
+    rd.update(col)
+    if how == "no_index":
+        del rd["round_number"]
+    perm = list(range(n))
+    shuffle = rng.choice(["none", "none", "all", "swap"])
+    if shuffle == "all":
+        rng.shuffle(perm)
+    elif shuffle == "swap" and n > 1:
+        perm[i], perm[(i + 1) % n] = perm[(i + 1) % n], perm[i]
+    return rd, perm, f"{how}, shuffle {shuffle}"
+
+
+def _outcome(args, rd):
+    from compactionrl_fast.integrations.slime import compute_advantages
+
+    rd = dict(rd)
+    try:
+        compute_advantages(args, rd)
+    except ValueError as e:
+        return str(e)
+    return list(zip(rd["advantages"], rd["returns"]))
+
+
+def test_fast_paths_match_the_full_ones(world1, monkeypatch):
+    import random
+
+    from compactionrl_fast.integrations.slime import advantages as A
+
+    rng = random.Random(0)
+    taken = {"plainly valid": 0, "in order": 0, "error": 0, "ok": 0}
+    plainly, order = A._plainly_valid, A._Rows.order
+
+    def spy(*a):
+        ok = plainly(*a)
+        taken["plainly valid"] += ok
+        return ok
+
+    for seed in range(6):
+        samples = H.samples_of(H.random_rollouts(5, seed=seed, allow_empty=seed % 2 == 1))
+        inputs = H.token_inputs(samples, seed=seed)
+        args = H.slime_args(kl_coef=0.05, compaction_untrainable="allow" if seed % 3 == 2 else "error")
+        base = H.add_token_inputs(H.rank_data(H.train_data(samples, args, 1), args, 0, 1), inputs)
+        base["kl"] = [lp - ref for lp, ref in zip(base["log_probs"], base["ref_log_probs"])]
+        for trial in range(15):
+            rd0, perm, case = _broken(base, rng)
+            rd = _permuted(rd0, perm)
+            monkeypatch.setattr(A, "_plainly_valid", spy)
+            monkeypatch.setattr(A._Rows, "order", order)
+            taken["in order"] += order(A._columns(rd, 1)[0]) is None
+            fast = _outcome(args, rd)
+            monkeypatch.setattr(A, "_plainly_valid", lambda *a: False)  # always _check_rollouts
+            full = _outcome(args, rd)
+            monkeypatch.setattr(A._Rows, "order", lambda self: order(self) or list(range(len(self))))
+            unordered = _outcome(args, rd)  # and never the list-order packing and unpacking
+            for other in (full, unordered):
+                assert type(fast) is type(other), (case, fast if isinstance(fast, str) else other)
+                if isinstance(fast, str):
+                    assert fast == other, case
+                else:
+                    assert len(fast) == len(other) and all(torch.equal(a, b) and torch.equal(r, s)
+                                                           for (a, r), (b, s) in zip(fast, other)), case
+            if not isinstance(fast, str):  # the samples' own numbers, whatever their list order
+                plain = _outcome(args, rd0)
+                assert not isinstance(plain, str), (case, plain)
+                assert all(torch.equal(a, plain[p][0]) and torch.equal(r, plain[p][1])
+                           for (a, r), p in zip(fast, perm)), case
+            taken["error" if isinstance(fast, str) else "ok"] += 1
+    # every branch was taken, so that the comparisons above mean something
+    assert min(taken.values()) >= 10, taken

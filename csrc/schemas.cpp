@@ -33,7 +33,7 @@ TORCH_LIBRARY(compactionrl_fast, m) {
       "value_loss(Tensor values, Tensor old_values, Tensor returns, Tensor loss_mask, Tensor? cu_seqlens, "
       "Tensor seg_scale, float clip, bool need_grad) -> (Tensor, Tensor, Tensor)");
 
-  // A 0/1 mask of a numeric dtype as bool, with (nonzero values, values other than 0 and 1) int64 [2]
+  // A 0/1 mask of a numeric dtype as bool, with int64 [2] (its True values, > 0 iff a value is neither 0 nor 1)
   // (csrc/cpu/mask_to_bool.cpp; the adapters' as_bool_mask).
   m.def("mask_to_bool(Tensor mask) -> (Tensor, Tensor)");
 

@@ -129,7 +129,7 @@ def bool_mask_and_count(name, mask, ndim=2):
         return mask.to(torch.bool), None
     count = None
     if mask.device.type == "cpu" and mask.dtype in _MASK_OP_DTYPES and _HAS_MASK_OP:
-        # one C++ pass converts, counts the nonzero values and those other than 0 and 1 (NaN among them)
+        # one C++ pass converts, counts the True values and finds any value other than 0 and 1 (NaN too)
         out, counts = torch.ops.compactionrl_fast.mask_to_bool(mask)
         count, other = counts.tolist()
         ok = other == 0

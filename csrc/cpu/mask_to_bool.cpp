@@ -1,5 +1,5 @@
-// mask_to_bool on CPU: a 0/1 mask of a numeric dtype as bool, in one pass that also counts the nonzero values
-// and the values other than 0 and 1 (NaN is one), so that the adapters' `as_bool_mask`
+// mask_to_bool on CPU: a 0/1 mask of a numeric dtype as bool, in one pass that also counts its True values and
+// finds any value other than 0 and 1 (NaN is one), so that the adapters' `as_bool_mask`
 // (compactionrl_fast/integrations/padded.py) converts and checks verl's and OpenRLHF's int or float masks
 // without `m != 0`, a reduction for the check and their [T] temporaries.
 #include <ATen/Dispatch.h>
@@ -7,6 +7,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "segment_runs.h"
@@ -15,20 +16,38 @@ namespace {
 
 constexpr int64_t kMaskBlock = 1 << 16;  // fits the int32 per-block counts
 
-// out[i] = in[i] != 0 for i < n; returns (nonzero, neither 0 nor 1) in its two halves' counters. The counts
-// are int32 and the comparisons plain, so gcc vectorises the loop for every dtype.
+// Integers: out[i] = in[i] as a byte, the sum of the values and an OR of (unsigned) in[i] >> 1, which is 0
+// iff every value is 0 or 1; then the bytes are the bool mask and the sum its count (otherwise the caller
+// refuses the mask and neither is used). Shifts, ORs and adds at the input's width: gcc packs them into
+// vectors with one narrowing per store. Floats: out[i] = in[i] != 0, with the counts of nonzero values and
+// of those other than 1 (NaN is one).
 template <typename T>
 CRF_INLINE void convert_run(const T* __restrict in, uint8_t* __restrict out, int64_t n, int64_t* counts) {
-  int32_t nonzero = 0, other = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const T v = in[i];
-    const int32_t nz = v != T(0), one = v == T(1);
-    out[i] = (uint8_t)nz;
-    nonzero += nz;
-    other += nz & (one ^ 1);  // NaN: nonzero and not 1
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    using acc_t = std::conditional_t<sizeof(T) == 8, uint64_t, uint32_t>;  // n <= kMaskBlock: no overflow
+    acc_t sum = 0;
+    U high = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const U v = (U)in[i];
+      out[i] = (uint8_t)v;
+      sum += v;
+      high |= (U)(v >> 1);
+    }
+    counts[0] = (int64_t)sum;
+    counts[1] = high != 0;
+  } else {
+    int32_t nonzero = 0, other = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const T v = in[i];
+      const int32_t nz = v != T(0), one = v == T(1);
+      out[i] = (uint8_t)nz;
+      nonzero += nz;
+      other += nz & (one ^ 1);  // NaN: nonzero and not 1
+    }
+    counts[0] = nonzero;
+    counts[1] = other;
   }
-  counts[0] = nonzero;
-  counts[1] = other;
 }
 
 template <typename T>
@@ -41,7 +60,8 @@ void convert_base(const T* in, uint8_t* out, int64_t n, int64_t* counts) {
   convert_run<T>(in, out, n, counts);
 }
 
-// (mask != 0 as bool, int64 [2]: (nonzero values, values other than 0 and 1)).
+// (mask as bool, int64 [2]: (its True values, > 0 iff a value is neither 0 nor 1)); the first two are
+// meaningful only where the second count is 0.
 std::tuple<at::Tensor, at::Tensor> mask_to_bool_cpu(const at::Tensor& mask) {
   const auto in = mask.contiguous();
   at::Tensor out = at::empty(mask.sizes(), mask.options().dtype(at::kBool));

@@ -6,11 +6,8 @@ transformers import). The public API is listed in `__all__`; see docs/ and the R
 """
 import importlib
 
-from .ops import place_final_rewards, segment_gae, segment_params
-from .ops import linear_logprobs, linear_logprobs_loss
-from .ops import (global_denominator, global_token_count, ppo_policy_loss, value_head, value_head_loss,
-                  value_loss)
-from .ops import output_cache
+from . import ops
+from .ops import *  # noqa: F401,F403  (the public ops: compactionrl_fast/ops/__init__.py's __all__, one list)
 from .ops._dispatch import available as available_backends
 
 __version__ = "0.1.0"
@@ -27,11 +24,7 @@ _LAZY = {
 }
 _SUBMODULES = ("packing", "rollout", "envs", "train", "integrations", "reference", "app")
 
-__all__ = ["segment_gae", "segment_params", "place_final_rewards", "available_backends", "output_cache", "__version__"]
-__all__ += ["linear_logprobs", "linear_logprobs_loss"]
-__all__ += ["ppo_policy_loss", "value_loss", "value_head", "value_head_loss", "global_token_count",
-            "global_denominator"]
-__all__ += list(_LAZY)
+__all__ = list(ops.__all__) + ["available_backends", "__version__"] + list(_LAZY)
 
 
 def __getattr__(name):

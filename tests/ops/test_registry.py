@@ -103,7 +103,7 @@ def missing(spec: OpSpec, *, floors=None, ops_md=None, aot=None) -> list[str]:
         if f"\n## {name}\n" not in ops_md:
             out.append(f"docs: a '## {name}' section in docs/ops.md")
         if name not in crf.__all__ or name not in ops_pkg.__all__:
-            out.append(f"export: {name} in compactionrl_fast/ops/__init__.py and compactionrl_fast/__init__.py __all__")
+            out.append(f"export: {name} in compactionrl_fast/ops/__init__.py's __all__ (compactionrl_fast re-exports it)")
     if support_table() not in ops_md:
         out.append("docs: docs/ops.md's support table (python -m tests.ops.test_registry --update)")
     return out

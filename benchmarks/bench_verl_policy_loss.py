@@ -8,19 +8,23 @@ once per round (interleaved, `_harness.time_round_robin`):
   op flat                 ppo_policy_loss on the flattened rows with a bool mask (the baseline)
   adapter, <dtype> mask   the adapter with the mask in that dtype (verl 0.9.1 passes bool; int64 and float32
                           are what other callers and verl's own batches hold)
-  int64 mask, check before  the elementwise 0/1 check the adapter ran before (`(m != 0) & (m != 1)`, `.any()`,
-                          `m != 0`) followed by the adapter on the bool mask: the "before" of the int64 row
-"x op" is a row's median over the baseline's median in the same rounds.
+  <dtype> mask, torch check  the adapter without the one-pass C++ conversion (`mask_to_bool`): `to(bool)` and
+                          a reduction check (aminmax for int64, `== 1` compared for float32), and the op counts
+                          the mask again: the "before" of the int64 and float32 rows
+"x op" is a row's median over the baseline's median in the same rounds; "x op (cpu)" the same with the process
+CPU time of each call (less moved by other jobs on a shared machine than the wall clock). With ATEN_CPU_CAPABILITY or
+MKL_ENABLE_INSTRUCTIONS set (e.g. `=avx2` / `=AVX2` to stand in for an AVX2-only CPU), the notes say so.
 """
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
 from benchmarks import _harness as H
 from benchmarks.bench_adapters import make_batch
-from compactionrl_fast.integrations import verl
+from compactionrl_fast.integrations import padded, verl
 from compactionrl_fast.ops import ppo_policy_loss
 
 SHAPES = {"128x8192": (128, 8192)}
@@ -38,21 +42,21 @@ def rows_for(B, L):
                                   clip_high=0.2, dual_clip=3.0)
         loss.backward()
 
-    def adapter(m, check_before=False):
+    def adapter(m, one_pass=True):
         def run():
-            mm = m
-            if check_before:
-                if bool(((mm != 0) & (mm != 1)).any()):
-                    raise ValueError("not 0/1")
-                mm = mm != 0
             x = b["logp"].clone().requires_grad_()
-            loss, _ = verl.compute_policy_loss_compaction(b["old"], x, b["adv"], mm, "token-mean", CFG)
+            saved, padded._HAS_MASK_OP = padded._HAS_MASK_OP, padded._HAS_MASK_OP and one_pass
+            try:
+                loss, _ = verl.compute_policy_loss_compaction(b["old"], x, b["adv"], m, "token-mean", CFG)
+            finally:
+                padded._HAS_MASK_OP = saved
             loss.backward()
         return run
 
     return {"op flat": op_flat, "adapter, bool mask": adapter(mask), "adapter, int64 mask": adapter(mask.long()),
             "adapter, float32 mask": adapter(mask.float()),
-            "int64 mask, check before": adapter(mask.long(), check_before=True)}
+            "int64 mask, torch check": adapter(mask.long(), one_pass=False),
+            "float32 mask, torch check": adapter(mask.float(), one_pass=False)}
 
 
 def main(argv=None):
@@ -74,11 +78,20 @@ def main(argv=None):
                                     max_reps=args.rounds)
         rows += [dict(name=n, shape=shape, **t) for n, t in timing.items()]
     H.add_speedups(rows, "op flat", "speed")
+    base_cpu = {r["shape"]: r["cpu_ms"] for r in rows if r["name"] == "op flat"}
     for r in rows:
         r["x_op"] = 1.0 / r.pop("speed")
+        r["x_op_cpu"] = r["cpu_ms"] / base_cpu[r["shape"]]
     cols = [("name", "row", ""), ("shape", "shape", ""), ("median_ms", "median ms", ".3f"), ("min_ms", "min ms", ".3f"),
-            ("reps", "rounds", "d"), ("x_op", "x op", ".3f")]
+            ("cpu_ms", "cpu ms", ".3f"), ("reps", "rounds", "d"), ("x_op", "x op", ".3f"),
+            ("x_op_cpu", "x op (cpu)", ".3f")]
     notes = ["1 thread, forward + backward, float32, token-mean, clip 0.2, dual clip 3; rounds interleaved"]
+    isa = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS") if os.environ.get(k)}
+    if isa:
+        notes.append("instruction sets limited: " + ", ".join(f"{k}={v}" for k, v in isa.items())
+                     + " (torch's own kernels; this package's C++ kernels pick AVX2 or the baseline at run time)")
+    if not padded._HAS_MASK_OP:
+        notes.append("the extension lacks mask_to_bool: every row uses the torch check")
     H.report("verl compaction policy loss vs ppo_policy_loss on the flattened rows (CPU)", rows, cols, env, notes,
              args.json)
 

@@ -47,7 +47,3 @@ def run(spec, kwargs, backend, *, device=None, dtype=None, fn=None):
         grads = []
     return [t.detach() for t in out], [g for g in grads if g is not None]
 
-
-def cases(device, ops=None):
-    """[(spec, case name)] of every registered public op (or of `ops`), for parametrize ids `op-case`."""
-    return [(s, c) for s in public_specs() if ops is None or s.name in ops for c in s.cases(device)]

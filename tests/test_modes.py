@@ -35,7 +35,7 @@ def test_the_header_is_generated_not_committed(tmp_path):
     assert out.split()[-1] == os.path.join(ROOT, modes.HEADER)  # a script run writes the checkout's header
     with open(os.path.join(ROOT, modes.HEADER)) as f:
         assert f.read() == modes.header()
-    if shutil.which("git") and os.path.isdir(os.path.join(ROOT, ".git")):
+    if shutil.which("git") and os.path.exists(os.path.join(ROOT, ".git")):  # a checkout or a worktree (not a copy)
         tracked = subprocess.run(["git", "ls-files", modes.HEADER], cwd=ROOT, capture_output=True, text=True)
         ignored = subprocess.run(["git", "check-ignore", "-q", modes.HEADER], cwd=ROOT)
         assert tracked.stdout == "" and ignored.returncode == 0, f"{modes.HEADER} must be generated, not committed"

@@ -110,7 +110,10 @@ def test_demo_writes_under_run_dir_and_record_writes_results_only(tmp_path, monk
     (root / "README.md").write_text(readme)
     monkeypatch.setattr(demo, "_checkout_root", lambda: str(root))
     cfg = tiny_train_config(tmp_path / "runs")
-    res = demo.run(cfg, seeds=[0], ablation_seeds=[], eval_rollouts=4, argv=["demo", "--tiny"], record=True)
+    # jobs in this process: what is checked here is where the files go; worker processes are started by the demo
+    # tests (tests/test_demo_golden.py; tests/train/test_smoke.py compares both ways, marked slow)
+    res = demo.run(cfg, seeds=[0], ablation_seeds=[], eval_rollouts=4, argv=["demo", "--tiny"], record=True,
+                   workers=1)
     for ext in ("json", "md", "png"):  # under the run dir, and recorded
         assert (tmp_path / "runs" / f"demo_cpu.{ext}").is_file()
         assert (root / "benchmarks" / "results" / f"demo_cpu.{ext}").is_file()

@@ -30,9 +30,9 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPS = ("segment_gae", "place_final_rewards", "ppo_policy_loss", "value_loss", "value_head", "value_head_loss",
        "linear_logprobs", "global_token_count")
-# about 20-40 s on a 2-core machine with the Triton interpreter; and seeds the yardstick once got wrong (7940: a
-# float16 gradient below the smallest normal; 11010: bf16 logits at temperature 1e-30; 23454: bf16 logits whose
-# usual composition rounded luckily)
+# seconds on a 2-core machine with the Triton interpreter (in one worker process); and seeds the yardstick once
+# got wrong (7940: a float16 gradient below the smallest normal; 11010: bf16 logits at temperature 1e-30; 23454:
+# bf16 logits whose usual composition rounded luckily)
 CI_SEEDS = [*range(160), 7940, 11010, 23454]
 CASE_TIMEOUT_S = 120  # a case (several thousand tokens, interpreter included) takes well under this
 
@@ -542,7 +542,9 @@ def summary(results):
 
 def test_fuzz_public_ops():
     """A fixed set of seeds (CI-sized): no crash, no hang, clear errors, reference equality."""
-    results = run_seeds(CI_SEEDS)
+    # every seed in one worker process: a worker's start (torch, triton, the package) costs more than all the
+    # cases together (a crash or hang still names its seed, and the seeds after it run in a new worker)
+    results = run_seeds(CI_SEEDS, batch=len(CI_SEEDS))
     bad = [r for r in results if r["outcome"] in FINDINGS]
     assert len(results) == len(CI_SEEDS), summary(results)
     assert not bad, summary(results)

@@ -69,8 +69,10 @@ def _assert_training_moved_the_state(run):
 
 def test_demo_protocol_writes_results(tmp_path):
     cfg = tiny_train_config(tmp_path / "runs")
+    # the jobs in this process (starting worker processes is most of the time on a tiny budget): the golden
+    # miniature (tests/test_demo_golden.py) runs them in worker processes, and the test below compares both ways
     res = demo.run(cfg, seeds=[0], ablation_seeds=[0], eval_rollouts=8, out_dir=str(tmp_path / "res"), name="d",
-                   argv=["demo", "--tiny"])
+                   argv=["demo", "--tiny"], workers=1)
     for ext in ("json", "md", "png"):
         assert os.path.isfile(tmp_path / "res" / f"d.{ext}")
     r = res["runs"]["0"]

@@ -1,7 +1,7 @@
 """The ops' modes, defined once: each mode's name (what the Python API takes) and integer code (what the
 kernels read). Imported by the package (compactionrl_fast/ops/*) and the Triton kernels (kernels/*); the
 C++/CUDA code reads the same codes from csrc/common/modes.h, which this module writes at build time (setup.py,
-CMakeLists.txt and the tests' host builds run it; the header is not committed, so it cannot go stale):
+CMakeLists.txt and the tests' host builds run it; not committed, so no copy in git can fall behind the table):
 
     python -m compactionrl_fast.kernels --write-header     (or `python kernels/modes.py --write-header`: no imports)
 

@@ -31,6 +31,7 @@ import torch
 
 from ... import ops
 from ...ops._reduction import segment_counts
+from ...ops._validate import trusted_layout
 from .._common import critic_returns
 from ._options import advantage_options
 
@@ -301,10 +302,11 @@ def compute_advantages(args, rollout_data) -> None:
     mask, values, kl, lengths, cu_seqlens, cu_segments, rr = packed
     if values is None:
         values = torch.zeros(mask.numel(), device=device)
-    token_rewards = ops.place_final_rewards(rr, mask, cu_seqlens, cu_segments, mode=extra["reward_mode"])
-    if extra["kl_coef"] != 0 and kl is not None:
-        token_rewards = token_rewards.sub_(kl, alpha=extra["kl_coef"])
-    adv, ret = ops.segment_gae(token_rewards, values, mask, cu_seqlens, cu_segments, **kw)
+    with trusted_layout():  # offsets made by _packed from the masks' lengths: not read back per op
+        token_rewards = ops.place_final_rewards(rr, mask, cu_seqlens, cu_segments, mode=extra["reward_mode"])
+        if extra["kl_coef"] != 0 and kl is not None:
+            token_rewards = token_rewards.sub_(kl, alpha=extra["kl_coef"])
+        adv, ret = ops.segment_gae(token_rewards, values, mask, cu_seqlens, cu_segments, **kw)
     ret = critic_returns(adv, ret, values, mask, extra["critic_target"])
 
     adv, ret = adv.split(lengths), ret.split(lengths)

@@ -83,7 +83,8 @@ MODULES = {
     # the application (compactionrl_fast/app/, issue 40) under its in-process tests; runs that train in a
     # subprocess (test_smoke.py, test_faults.py, the demo's golden miniature) are left out as above, and so is the
     # CLI run from another folder (mutmut's trampoline there finds no config and fails the unmutated run)
-    "app/cli": ["tests/test_cli.py", "tests/train/test_config.py", "-k", "not from_another_directory"],
+    "app/cli": ["tests/test_cli_commands.py", "tests/test_cli.py", "tests/train/test_config.py", "-k",
+                "not from_another_directory"],
     # 10-20 s a mutant here (its test trains tiny ablations in spawned processes): hours for its 529 mutants
     "app/ablations": ["tests/test_ablations.py"],
     "app/runner": ["tests/train/test_fit.py", "tests/train/test_checkpoint.py", "tests/train/test_lr_schedule.py",

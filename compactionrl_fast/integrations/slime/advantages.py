@@ -94,7 +94,8 @@ class _Rows:
         """Sample indices rollout by rollout (first appearance), segments by index; None when the samples are in
         that order already (then packing and unpacking keep list order)."""
         first = {r: k for k, r in enumerate(dict.fromkeys(self.rid))}
-        keys = list(zip(map(first.__getitem__, self.rid), [s or 0 for s in self.seg]))
+        seg = [s or 0 for s in self.seg] if None in self.seg else self.seg
+        keys = list(zip(map(first.__getitem__, self.rid), seg))
         if all(map(operator.le, keys, keys[1:])):
             return None
         return sorted(range(len(self)), key=keys.__getitem__)
@@ -215,9 +216,10 @@ def _remote_rows(rows, metas, dp_rank, group, dp_size, device):
 
 def _cat(parts, lengths, device, dtype):
     """parts [n_i] (or None: zeros) packed into [sum n_i] of `dtype` on `device`; None when every part is None."""
-    if all(p is None for p in parts):
+    kinds = set(map(type, parts))  # one C-level pass, not a generator per sample
+    if kinds == {type(None)}:
         return None
-    if any(p is None for p in parts):
+    if type(None) in kinds:
         parts = [torch.zeros(n, device=device) if p is None else p for p, n in zip(parts, lengths)]
     return torch.cat(parts).detach().to(device=device, dtype=dtype)
 
@@ -236,7 +238,7 @@ def _packed(rows, order, device):
     starts = [0] + [k for k in range(1, len(rid)) if rid[k] != rid[k - 1]]
     cu_seqlens = torch.from_numpy(np.cumsum([0] + lengths, dtype=np.int64)).to(device)  # faster than torch.tensor
     cu_segments = torch.tensor(starts + [len(rid)], dtype=torch.int64, device=device)
-    rr = torch.tensor([reward[k] for k in starts], dtype=torch.float32, device=device)
+    rr = torch.tensor(list(map(reward.__getitem__, starts)), dtype=torch.float32, device=device)
     return mask, values, kl, lengths, cu_seqlens, cu_segments, rr
 
 

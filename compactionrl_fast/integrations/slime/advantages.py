@@ -217,7 +217,7 @@ def _remote_rows(rows, metas, dp_rank, group, dp_size, device):
 def _cat(parts, lengths, device, dtype):
     """parts [n_i] (or None: zeros) packed into [sum n_i] of `dtype` on `device`; None when every part is None."""
     kinds = set(map(type, parts))  # one C-level pass, not a generator per sample
-    if kinds == {type(None)}:
+    if kinds <= {type(None)}:
         return None
     if type(None) in kinds:
         parts = [torch.zeros(n, device=device) if p is None else p for p, n in zip(parts, lengths)]

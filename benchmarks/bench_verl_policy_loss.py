@@ -24,7 +24,8 @@ import torch
 
 from benchmarks import _harness as H
 from benchmarks.bench_adapters import make_batch
-from compactionrl_fast.integrations import padded, verl
+from compactionrl_fast.integrations import verl
+from compactionrl_fast.ops import _mask
 from compactionrl_fast.ops import ppo_policy_loss
 
 SHAPES = {"128x8192": (128, 8192)}
@@ -45,11 +46,11 @@ def rows_for(B, L):
     def adapter(m, one_pass=True):
         def run():
             x = b["logp"].clone().requires_grad_()
-            saved, padded._HAS_MASK_OP = padded._HAS_MASK_OP, padded._HAS_MASK_OP and one_pass
+            saved, _mask._HAS_MASK_OP = _mask._HAS_MASK_OP, _mask._HAS_MASK_OP and one_pass
             try:
                 loss, _ = verl.compute_policy_loss_compaction(b["old"], x, b["adv"], m, "token-mean", CFG)
             finally:
-                padded._HAS_MASK_OP = saved
+                _mask._HAS_MASK_OP = saved
             loss.backward()
         return run
 
@@ -90,7 +91,7 @@ def main(argv=None):
     if isa:
         notes.append("instruction sets limited: " + ", ".join(f"{k}={v}" for k, v in isa.items())
                      + " (torch's own kernels; this package's C++ kernels pick AVX2 or the baseline at run time)")
-    if not padded._HAS_MASK_OP:
+    if not _mask._HAS_MASK_OP:
         notes.append("the extension lacks mask_to_bool: every row uses the torch check")
     H.report("verl compaction policy loss vs ppo_policy_loss on the flattened rows (CPU)", rows, cols, env, notes,
              args.json)

@@ -1,6 +1,7 @@
 """Public ops, one file each (docs/adding-an-op.md), on the shared skeleton: _validate (input checks),
 _dispatch (backend choice), _register (custom op + fake + autograd)."""
 from . import _dispatch
+from . import _mask  # noqa: F401 -- registers the mask_to_bool op (its fake) with the package
 from .denominator import global_denominator, global_token_count
 from .gae import place_final_rewards, segment_gae, segment_params
 from .linear_logprobs import linear_logprobs, linear_logprobs_loss

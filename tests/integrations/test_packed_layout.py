@@ -236,12 +236,12 @@ def test_mask_of_any_dtype_is_checked_for_0_and_1(dtype, one_pass, monkeypatch):
     """as_bool_mask's checks (the C++ pass mask_to_bool; without it, reductions: integers' range, floats'
     nonzero == equal-to-1) reject exactly the masks with a value other than 0 or 1: NaN, inf, fractions,
     negatives, 2."""
-    from compactionrl_fast.integrations import padded
     from compactionrl_fast.integrations.padded import as_bool_mask
+    from compactionrl_fast.ops import _mask
 
-    if one_pass and not padded._HAS_MASK_OP:
+    if one_pass and not _mask._HAS_MASK_OP:
         pytest.skip("the extension lacks mask_to_bool")
-    monkeypatch.setattr(padded, "_HAS_MASK_OP", one_pass)
+    monkeypatch.setattr(_mask, "_HAS_MASK_OP", one_pass)
 
     g = torch.Generator().manual_seed(3)
     good = (torch.rand(4, 33, generator=g) > 0.4).to(dtype)
@@ -265,15 +265,16 @@ def test_one_pass_mask_conversion_counts_across_blocks():
     """mask_to_bool over several of its blocks (64K values), a non-contiguous input and a bad value in the
     last block: the bool mask, the count of True values and the refusal."""
     from compactionrl_fast.integrations import padded
+    from compactionrl_fast.ops import _mask
 
-    if not padded._HAS_MASK_OP:
+    if not _mask._HAS_MASK_OP:
         pytest.skip("the extension lacks mask_to_bool")
     g = torch.Generator().manual_seed(4)
     good = torch.rand(5, 70_001, generator=g) > 0.3
     for m in (good.long(), good.float(), good.double().t().contiguous().t()):
-        out, count = padded.bool_mask_and_count("response_mask", m)
+        out, count = _mask.bool_mask_and_count("response_mask", m)
         assert torch.equal(out, good) and count == int(good.sum())
-    assert padded.bool_mask_and_count("response_mask", good) == (good, None)
+    assert _mask.bool_mask_and_count("response_mask", good) == (good, None)
     bad = good.float()
     bad[4, 70_000] = 0.5
     with pytest.raises(ValueError, match="response_mask must hold only 0 and 1"):

@@ -217,12 +217,18 @@ def main():
         base = next(b for b in rows if b["shape"] == r["shape"]
                     and b["name"] == ("slime ppo, estimator only" if "estimator" in r["name"] else "slime ppo"))
         r["speedup_vs_slime"] = base["median_ms"] / r["median_ms"]
+        if "estimator" in r["name"] or r["name"] in (FLOOR, OPS):  # what our own cost is measured against
+            r["x_floor"] = r["median_ms"] / next(b["median_ms"] for b in rows
+                                                 if b["shape"] == r["shape"] and b["name"] == FLOOR)
     cols = [("shape", "shape", ""), ("name", "advantage step", ""), ("tokens", "tokens", ","),
-            ("median_ms", "median ms", ".2f"), ("min_ms", "min ms", ".2f"), ("speedup_vs_slime", "x slime", ".2f"),
+            ("median_ms", "median ms", ".2f"), ("min_ms", "min ms", ".2f"), ("cpu_ms", "cpu ms", ".2f"),
+            ("speedup_vs_slime", "x slime", ".2f"), ("x_floor", "x floor", ".2f"),
             ("max_err", "max |err| own recipe", ".2e"), ("mean_err", "mean |err|", ".2e"),
             ("max_err_vs_paper", "max |err| vs paper", ".3f"), ("mean_err_vs_paper", "mean |err| vs paper", ".3f")]
     notes = ["time: slime's compute_advantages_and_returns (the per-sample KL, the estimator) per call, 1 thread, "
-             "rounds interleaved, medians over rounds; x slime: against slime's row of the same kind",
+             "rounds interleaved, medians over rounds (wall; cpu ms: the process's CPU time, which time slices "
+             "lost to other processes on a loaded machine do not inflate); x slime: against slime's row of the "
+             "same kind",
              "estimator only: the same step on rollout_data whose KL is already computed (both rows share slime's "
              "per-sample KL, compute_approx_kl per sample): slime's ppo branch (token rewards, then "
              "get_advantages_and_returns_batch) against compute_advantages with the paper's options",
@@ -234,6 +240,9 @@ def main():
              "returns), what any estimator that takes and returns slime's per-sample lists pays; "
              f"{OPS!r}: place_final_rewards + segment_gae (C++) on tensors already packed, the paper's options. "
              "ours minus the floor is our own cost: ordering, checks, the ops",
+             "x floor: the row's median over the floor's; an estimator over slime's lists that runs these two ops "
+             "cannot go below the floor's x floor plus that of 'place + GAE' (ours adds the mask's bool copy, the "
+             "KL term, the per-sample counts and the Python per sample)",
              f"machine load at start {env['loadavg_at_start']} (a shared 2-core VM: absolute times vary, the "
              "ratios were measured in the same rounds)"]
     H.report("slime's advantage step: built-in ppo vs compute_advantages (CPU, 1 thread)", rows, cols, env, notes,

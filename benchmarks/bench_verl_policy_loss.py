@@ -37,11 +37,13 @@ def rows_for(B, L):
     b = make_batch(B, L, compacted=False)
     mask = b["mask"]
 
-    def op_flat():
-        x = b["logp"].clone().requires_grad_()
-        loss, _ = ppo_policy_loss(x.view(-1), b["old"].view(-1), b["adv"].view(-1), mask.view(-1), clip_low=0.2,
-                                  clip_high=0.2, dual_clip=3.0)
-        loss.backward()
+    def op(m):
+        def run():  # the op takes a bool mask: a caller holding an int or float one converts it first
+            x = b["logp"].clone().requires_grad_()
+            loss, _ = ppo_policy_loss(x.view(-1), b["old"].view(-1), b["adv"].view(-1), m.view(-1).bool(),
+                                      clip_low=0.2, clip_high=0.2, dual_clip=3.0)
+            loss.backward()
+        return run
 
     def adapter(m, one_pass=True):
         def run():
@@ -54,7 +56,8 @@ def rows_for(B, L):
             loss.backward()
         return run
 
-    return {"op flat": op_flat, "adapter, bool mask": adapter(mask), "adapter, int64 mask": adapter(mask.long()),
+    return {"op flat": op(mask), "op flat, int64 mask .bool()": op(mask.long()),
+            "op flat, float32 mask .bool()": op(mask.float()), "adapter, bool mask": adapter(mask), "adapter, int64 mask": adapter(mask.long()),
             "adapter, float32 mask": adapter(mask.float()),
             "int64 mask, torch check": adapter(mask.long(), one_pass=False),
             "float32 mask, torch check": adapter(mask.float(), one_pass=False)}
@@ -83,9 +86,12 @@ def main(argv=None):
     for r in rows:
         r["x_op"] = 1.0 / r.pop("speed")
         r["x_op_cpu"] = r["cpu_ms"] / base_cpu[r["shape"]]
+        same = next((f"op flat, {d} mask .bool()" for d in ("int64", "float32") if f"{d} mask" in r["name"]),
+                    "op flat")  # the op given the same mask, converted as a caller of the op must
+        r["x_same_cpu"] = r["cpu_ms"] / next(q["cpu_ms"] for q in rows if q["shape"] == r["shape"] and q["name"] == same)
     cols = [("name", "row", ""), ("shape", "shape", ""), ("median_ms", "median ms", ".3f"), ("min_ms", "min ms", ".3f"),
             ("cpu_ms", "cpu ms", ".3f"), ("reps", "rounds", "d"), ("x_op", "x op", ".3f"),
-            ("x_op_cpu", "x op (cpu)", ".3f")]
+            ("x_op_cpu", "x op (cpu)", ".3f"), ("x_same_cpu", "x op, same mask (cpu)", ".3f")]
     notes = ["1 thread, forward + backward, float32, token-mean, clip 0.2, dual clip 3; rounds interleaved"]
     isa = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS") if os.environ.get(k)}
     if isa:

@@ -60,7 +60,7 @@ MODULES = {
                              "tests/integrations/test_trl.py", "tests/integrations/test_verl.py"],
     "train/checkpoint": ["tests/train/test_checkpoint.py", "tests/train/test_io.py"],
     # atomic file writes (the root _io before issue 40); test_faults.py kills writers in subprocesses, left out
-    "train/atomic": ["tests/train/test_io.py", "tests/train/test_checkpoint.py"],
+    "train/atomic": ["tests/train/test_atomic.py", "tests/train/test_io.py", "tests/train/test_checkpoint.py"],
     # without test_faults.py and test_smoke.py: they train in subprocesses (mutants are not visible there)
     # and take a minute
     "train/trainer": ["tests/train/test_trainer.py", "tests/train/test_fit.py", "tests/train/test_checkpoint.py",

@@ -87,6 +87,8 @@ MODULES = {
                 "not from_another_directory"],
     # 10-20 s a mutant here (its test trains tiny ablations in spawned processes): hours for its 529 mutants
     "app/ablations": ["tests/test_ablations.py"],
+    # runner's task/build/packer only: run_sft, run_rl and train run in test_smoke.py's subprocesses (496 of its 525
+    # mutants have no test here)
     "app/runner": ["tests/train/test_fit.py", "tests/train/test_checkpoint.py", "tests/train/test_lr_schedule.py",
                    "tests/train/test_sync.py", "tests/train/test_server_engine_config.py"],
 }

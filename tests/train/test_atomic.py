@@ -68,11 +68,13 @@ def test_temporaries_of_live_writers_stay_and_the_writers_are_not_signalled(tmp_
     try:
         name = f".checkpoint.pt{atomic.TMP_TAG}{live.pid}"
         (tmp_path / name).write_bytes(b"partial")
+        real_kill, sent = os.kill, []
+        monkeypatch.setattr(atomic.os, "kill", lambda pid, sig: sent.append((pid, sig)) or real_kill(pid, sig))
         assert atomic.remove_stale_temps(str(tmp_path)) == []
         assert os.listdir(tmp_path) == [name]
-        assert live.poll() is None  # probed with signal 0, nothing sent
+        assert sent == [(live.pid, 0)]  # probed with signal 0: nothing is sent to the writer
+        assert live.poll() is None
         # a writer of another user: os.kill is refused, the process exists
-        real_kill = os.kill
 
         def refused(pid, sig):
             if pid == live.pid and sig == 0:

@@ -99,6 +99,8 @@ def test_console_script_and_main_module_point_at_the_cli():
 
 
 def test_demo_writes_under_run_dir_and_record_writes_results_only(tmp_path, monkeypatch):
+    import torch
+
     from compactionrl_fast.app import demo
 
     from .train._tiny import tiny_train_config
@@ -109,11 +111,16 @@ def test_demo_writes_under_run_dir_and_record_writes_results_only(tmp_path, monk
     readme = "intro\n<!-- demo:start -->\nold numbers\n<!-- demo:end -->\nrest\n"
     (root / "README.md").write_text(readme)
     monkeypatch.setattr(demo, "_checkout_root", lambda: str(root))
-    cfg = tiny_train_config(tmp_path / "runs")
-    # jobs in this process: what is checked here is where the files go; worker processes are started by the demo
-    # tests (tests/test_demo_golden.py; tests/train/test_smoke.py compares both ways, marked slow)
-    res = demo.run(cfg, seeds=[0], ablation_seeds=[], eval_rollouts=4, argv=["demo", "--tiny"], record=True,
-                   workers=1)
+    # the jobs in this process at 1 thread (what is checked here is where the files go; worker processes are
+    # started by the demo tests: tests/test_demo_golden.py, and tests/train/test_smoke.py compares both ways):
+    # at torch's default threads a tiny model's steps wait on each other's threads when the machine is busy
+    cfg = tiny_train_config(tmp_path / "runs", threads=1)
+    threads = torch.get_num_threads()
+    try:
+        res = demo.run(cfg, seeds=[0], ablation_seeds=[], eval_rollouts=4, argv=["demo", "--tiny"], record=True,
+                       workers=1)
+    finally:
+        torch.set_num_threads(threads)
     for ext in ("json", "md", "png"):  # under the run dir, and recorded
         assert (tmp_path / "runs" / f"demo_cpu.{ext}").is_file()
         assert (root / "benchmarks" / "results" / f"demo_cpu.{ext}").is_file()

@@ -21,9 +21,11 @@ config at 1 thread, `--sft-steps` SFT steps (so rollouts have the demo's lengths
   gen      the embedded engine's cost per generated token for the SFT policy's rollouts at the demo's temperature
            and at a higher one (longer, more compacted rollouts: a proxy for the ablation's), and one decode step's
            time vs batch rows (the straggler tail of a generate call).
+  fb       (only when named) eager forward + backward of the PPO mini-batches, one median per process, and its
+           minor page faults: for the allocator A/B between processes (commands in the results file).
 
-  fb       (only when named) eager forward + backward of the PPO mini-batches, one median per process: for the
-           allocator A/B between processes (commands in the results file).
+`--compile-backend aot_eager` runs the compile experiment without code generation; `--mallopt` fixes glibc's
+malloc thresholds at start (both for narrowing down, see the results file).
 
 Prints markdown tables (benchmarks/results/demo-speed-experiments.md holds a run's output).
 """
@@ -237,12 +239,13 @@ def exp_fb(a, actor, data):
 # ----------------------------------------------------------------------------------------------- 2. compile
 
 def exp_compile(a, cfg, actor, data):
-    print(f"\n## 2. torch.compile of the decoder's training forward + backward (inductor, dynamic=True; load {load()})\n")
+    print(f"\n## 2. torch.compile of the decoder's training forward + backward ({a.compile_backend}, dynamic=True; "
+          f"load {load()})\n")
     ms = [b[i] for _, b, mb in data for g in mb for i in g]
     ins = [padded(m) for m in ms]
     eager = copy.deepcopy(actor)
     comp = copy.deepcopy(actor)
-    cdec = torch.compile(comp.get_decoder(), dynamic=True)
+    cdec = torch.compile(comp.get_decoder(), dynamic=True, backend=a.compile_backend)
     edec = eager.get_decoder()
     import torch._dynamo.utils as du
 
@@ -492,6 +495,7 @@ def main(argv=None) -> int:
     p.add_argument("--rl-steps", type=int, default=3, help="PPO steps per setting in split; rollout batches elsewhere")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--only", default="split,compile,mm,mul,gen", help="comma-separated; also: fb")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compile experiment")
     p.add_argument("--mallopt", action="store_true",
                    help="glibc mallopt at start: no mmap for blocks < 256 MiB, no heap trim < 1 GiB (allocator A/B)")
     a = p.parse_args(argv)

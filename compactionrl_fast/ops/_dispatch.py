@@ -142,9 +142,14 @@ def _op_rule(op, asked, b, device_type, dtype, placed):
     return b
 
 
-@torch._dynamo.assume_constant_result
 def _resolve(backend: str, device_type: str, op) -> str:
     return resolve(backend, torch.device(device_type), op)
+
+
+# torch._dynamo.assume_constant_result(_resolve), without importing torch._dynamo (about half of the package's
+# import time): the decorator only sets this flag, which dynamo reads when it meets the call (tests/ops/
+# test_compile.py checks both that the decorator still sets it and that compiled ops do not break the graph)
+_resolve._dynamo_marked_constant = True
 
 
 def resolve_backend(backend, device, op=None, *, dtype=None, placed=False):

@@ -12,6 +12,17 @@ from compactionrl_fast.reference import gae as ref_gae
 from tests.ops import registry_runs as reg
 
 
+
+def test_backend_choice_is_marked_constant_as_dynamo_marks_it():
+    """_dispatch marks `_resolve` constant for dynamo by hand (importing torch._dynamo for its decorator costs
+    about half of the package's import): the flag must be the one the decorator sets."""
+    import torch._dynamo
+
+    marked = torch._dynamo.assume_constant_result(lambda: None)
+    flags = {k for k in vars(marked) if k.startswith("_dynamo")}
+    assert flags == {"_dynamo_marked_constant"} and all(getattr(_dispatch._resolve, k) is True for k in flags)
+
+
 @pytest.mark.parametrize("backend", [b for b in ("cpp", "triton") if b in _dispatch.available(torch.device("cpu"))])
 def test_segment_gae_and_rewards_compile_fullgraph(backend):
     torch._dynamo.reset()

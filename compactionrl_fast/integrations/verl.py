@@ -44,9 +44,9 @@ import sys
 import torch
 
 from ..ops import ppo_policy_loss
+from ..ops._mask import bool_mask_and_count
 from ..ops._validate import trusted_layout
 from ._common import cfg_get, denominator_from, masked_whiten
-from ..ops._mask import bool_mask_and_count
 from .padded import as_bool_mask, flat, row_table, segment_gae_padded
 
 ADV_ESTIMATOR = "compaction_gae"

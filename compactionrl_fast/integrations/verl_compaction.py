@@ -19,6 +19,7 @@ from ._common import CRITIC_TARGETS, cfg_get, critic_returns, masked_whiten
 from .padded import as_bool_mask, flat, row_table, segment_gae_padded
 from .verl import ADV_ESTIMATOR, gae_options
 
+
 def session_rows(keys):
     """(rollout id, segment index) of each row from verl's batch keys `{uid}_{session_id}_{index}`.
 

@@ -161,8 +161,6 @@ def segment_weights_torch(loss_mask, cu_seqlens, cu_segments, reduction, denomin
     return _inverse(n) * inv_d
 
 
-
-
 # ---------------------------------------------------------------- internal rows of the registry (ops/_registry.py):
 # the loss ops' reduction weights; "torch" here is the exact formulation on [S] above, which the kernels port
 

@@ -47,14 +47,10 @@ from ._launch import device_guard, empty, split64
 from .gae_chunk import _gae_chunk_kernel
 from .gae_lookback import _gae_lookback_kernel
 from .gae_params import _gae_params_kernel
-from .gae_scan import N_MAP
+from .gae_scan import BLOCK, CARRY_BLOCK, LOOKBACK_TILE, N_MAP, PARAMS_BLOCK  # the GPU sizes
 from .modes import needs_counts
 
-BLOCK = 256             # tokens per block on GPU: no register spills at 4 warps (tests/test_aot.py)
 INTERPRET_BLOCK = 32768  # at most; the interpreter pays per operation, not per element: few, large blocks
-CARRY_BLOCK = 128       # later chunks' maps per step of `_carry_in` (the first step usually meets a stop)
-PARAMS_BLOCK = 1024     # mask bytes per step of the per-rollout count
-LOOKBACK_TILE = 2048    # tokens per tile of the look-back plan (GPU)
 NUM_WARPS = 4
 
 

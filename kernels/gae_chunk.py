@@ -5,7 +5,8 @@ import triton
 import triton.language as tl
 
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
-from .gae_scan import ACC, _compose, _segments_of, _store_map, _tile_pass
+from .gae_scan import (ACC, BLOCK, CARRY_BLOCK, _compose, _segments_of, _store_map, _tile_pass, aot_i32_sizes,
+                       aot_offsets)
 
 
 @triton.jit
@@ -83,3 +84,21 @@ def _gae_chunk_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, cs_ptr, start_ptr, T, 
         OWN_CRITIC, HAS_START)
     if not WRITE:
         _store_map(summary_ptr + i_c + o_1, n_chunks, m_xa, m_ya, m_pa, m_z, m_q, m_xc, m_yc, m_pc, m_f)
+
+
+# What tests/test_aot.py compiles (the choices: kernels/gae_scan.py).
+_AOT_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", start_ptr="*i64", T="i64", S="i64", LOG_S="i32",
+                params_ptr="*fp64", gamma_hi="fp32", gamma_lo="fp32", summary_ptr="*fp64", adv_ptr="*fp32",
+                ret_ptr="*fp32", n_chunks="i64", chunk="i64")
+AOT = [("_gae_chunk_kernel", dict(aot_offsets(idx), **_AOT_SIG),
+        {"BLOCK": BLOCK, "WRITE": write, "CARRY": carry, "OWN_CRITIC": own, "HAS_START": start,
+         "CARRY_BLOCK": CARRY_BLOCK})
+       for idx, write, carry, own, start in [
+           ("i64", False, False, False, False), ("i64", False, False, True, False),
+           ("i64", True, False, False, False), ("i64", True, False, True, False),
+           ("i64", True, True, False, False), ("i64", True, True, True, False),
+           ("i32", True, False, True, False), ("i32", True, True, True, False),
+           ("i64", False, False, True, True), ("i64", True, True, True, True)]]
+AOT += [("_gae_chunk_kernel", aot_i32_sizes(dict(aot_offsets("i32"), **_AOT_SIG)),
+         dict(BLOCK=BLOCK, OWN_CRITIC=True, HAS_START=False, CARRY_BLOCK=CARRY_BLOCK, WRITE=w, CARRY=w))
+        for w in (False, True)]

@@ -3,7 +3,8 @@ import triton
 import triton.language as tl
 
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
-from .gae_scan import ACC, _apply, _compose, _segments_of, _store_map, _tile_pass
+from .gae_scan import (ACC, BLOCK, LOOKBACK_TILE, _apply, _compose, _segments_of, _store_map, _tile_pass,
+                       aot_i32_sizes)
 
 
 @triton.jit
@@ -85,3 +86,14 @@ def _gae_lookback_kernel(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, S, gl
         tl.atomic_xchg(flag + i, 2, sem="release")
     _tile_pass(rew_ptr, val_ptr, mask_ptr, cu_ptr, start_ptr, T, gl_ptr, glc_ptr, scale_ptr, reset_ptr, adv_ptr, ret_ptr,
                lo, hi, s_lo, s_hi, n_bisect, gamma, a_c, v_c, ac_c, BLOCK, True, OWN_CRITIC, HAS_START)
+
+
+# What tests/test_aot.py compiles (the choices: kernels/gae_scan.py).
+_AOT_SIG = dict(rew_ptr="*fp32", val_ptr="*fp32", mask_ptr="*i1", cu_ptr="*i64", start_ptr="*i64", T="i64", S="i64",
+                gl_ptr="*fp64", glc_ptr="*fp64", scale_ptr="*fp64", reset_ptr="*fp64", gamma_hi="fp32",
+                gamma_lo="fp32", ws_ptr="*i32", agg_ptr="*fp64", incl_ptr="*fp64", adv_ptr="*fp32", ret_ptr="*fp32",
+                n_tiles="i64", LOG_S="i32")
+AOT = [("_gae_lookback_kernel", sig, {"TILE": LOOKBACK_TILE, "BLOCK": BLOCK, "OWN_CRITIC": own, "HAS_START": start,
+                                      "INCL_EVERY": 1})
+       for sig, own, start in [(_AOT_SIG, True, False), (_AOT_SIG, False, False), (_AOT_SIG, True, True),
+                               (aot_i32_sizes(dict(_AOT_SIG, cu_ptr="*i32")), True, False)]]

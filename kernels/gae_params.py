@@ -6,6 +6,7 @@ import triton.language as tl
 
 from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter with numpy >= 2.4)
 from . import modes
+from .gae_scan import PARAMS_BLOCK, aot_i32_sizes, aot_offsets
 
 
 @triton.jit
@@ -78,3 +79,25 @@ def _gae_params_kernel(mask_ptr, cu_ptr, cs_ptr, start_ptr, lam_ptr, out_ptr, S,
         tl.store(out_ptr + 2 * S + s + o_1, scale)
         tl.store(out_ptr + 3 * S + s + o_1, reset)
         n_later += n_s
+
+
+# What tests/test_aot.py compiles (the choices: kernels/gae_scan.py): (index dtype, lambda mode, cross mode,
+# seg_start, zero ws), every cross mode of kernels/modes.py at least once.
+_AOT_SIG = dict(start_ptr="*i64", lam_ptr="*fp32", out_ptr="*fp64", S="i64", T="i64",
+                **{f"{k}_{p}": "fp32" for k in ("gamma", "lam", "alpha", "lamc") for p in ("hi", "lo")})
+_AOT_CASES = [("i64", modes.LAM_CONST, modes.CROSS_NONE, False, False),
+              ("i64", modes.LAM_ADAPTIVE_ROLLOUT, modes.CROSS_PAPER, False, False),
+              ("i32", modes.LAM_ADAPTIVE_ROLLOUT, modes.CROSS_PAPER, False, False),
+              ("i64", modes.LAM_ADAPTIVE_SEGMENT, modes.CROSS_STITCHED, True, False),
+              ("i64", modes.LAM_TENSOR, modes.CROSS_PAPER, True, False),
+              ("i64", modes.LAM_ADAPTIVE_ROLLOUT, modes.CROSS_PAPER, False, True)]
+_AOT_CASES += [("i64", modes.LAM_CONST, c, False, False) for c in modes.CROSS_SEGMENT.values()
+               if c not in {case[2] for case in _AOT_CASES}]
+AOT = [("_gae_params_kernel", dict(aot_offsets(idx), **_AOT_SIG, ws_ptr="*i32" if ws else "*fp64", n_ws="i64"),
+        {"LAM_MODE": mode, "CROSS": cross, "NEED_COUNTS": modes.needs_counts(mode, cross), "HAS_START": start,
+         "BLOCK": PARAMS_BLOCK, "ZERO_WS": ws})
+       for idx, mode, cross, start, ws in _AOT_CASES]
+AOT.append(("_gae_params_kernel", aot_i32_sizes(dict(aot_offsets("i32"), **_AOT_SIG, ws_ptr="*fp64", n_ws="i64")),
+            {"LAM_MODE": modes.LAM_ADAPTIVE_ROLLOUT, "CROSS": modes.CROSS_PAPER,
+             "NEED_COUNTS": modes.needs_counts(modes.LAM_ADAPTIVE_ROLLOUT, modes.CROSS_PAPER), "HAS_START": False,
+             "BLOCK": PARAMS_BLOCK, "ZERO_WS": False}))

@@ -10,6 +10,24 @@ ACC = tl.float64  # coefficients, and the maps and carries that cross blocks (se
 TOK = tl.float32  # a block's sums and the outputs
 N_MAP = 9  # a chunk map: (xa, ya, pa, z, q, xc, yc, pc, f), see _compose
 
+# GPU launch sizes: kernels/gae.py launches at them, the kernels modules' `AOT` lists compile at them.
+BLOCK = 256             # tokens per block on GPU: no register spills at 4 warps (tests/test_aot.py)
+CARRY_BLOCK = 128       # later chunks' maps per step of `_carry_in` (the first step usually meets a stop)
+PARAMS_BLOCK = 1024     # mask bytes per step of the per-rollout count
+LOOKBACK_TILE = 2048    # tokens per tile of the look-back plan (GPU)
+
+
+# The AOT lists of gae_params, gae_chunk and gae_lookback: every flag combination with int64 offsets, the
+# default path (WRITE, OWN_CRITIC) with int32 offsets too, and the sizes as the JIT types them for a usual call
+# (`aot_i32_sizes`). The loss mask is passed as the bool tensor itself (*i1: Triton loads its bytes).
+def aot_offsets(idx):
+    return {"mask_ptr": "*i1", "cu_ptr": f"*{idx}", "cs_ptr": f"*{idx}"}
+
+
+def aot_i32_sizes(sig):
+    """The sizes as int32, as the JIT types a Python int below 2^31."""
+    return {k: "i32" if k in ("T", "S", "n_chunks", "chunk", "n_tiles", "n_ws") else v for k, v in sig.items()}
+
 
 @triton.jit
 def _compose(xa1, ya1, pa1, z1, q1, xc1, yc1, pc1, f1, xa2, ya2, pa2, z2, q2, xc2, yc2, pc2, f2):

@@ -139,3 +139,24 @@ def linear_logprobs_dlogits(x, targets, lse, ent, g_lp, g_ent, inv_t=1.0, tile=T
                                                  g_ent if want_entropy else g_lp, C, V, inv_t, BT=BT, BV=BV,
                                                  ENTROPY=want_entropy)
     return x
+
+
+# What tests/test_aot.py compiles: both kernels, fp32 and bf16 logits, with and without the entropy, at the
+# launchers' block shapes for an LM vocabulary (one row per program) and a small one.
+def _aot_sig(kernel, x_dtype):
+    sig = {}
+    for name in kernel.arg_names:
+        if name in ("BT", "BV", "ENTROPY"):
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = {"x_ptr": f"*{x_dtype}", "y_ptr": "*i64"}.get(name, "*fp32")
+        else:
+            sig[name] = "fp32" if name == "inv_t" else "i32"
+    return sig
+
+
+AOT = [(kernel.__name__, _aot_sig(kernel, dt), {"BT": bt, "BV": bv, "ENTROPY": ent})
+       for kernel in (linear_logprobs_stats_kernel, linear_logprobs_dlogits_kernel)
+       for dt in ("fp32", "bf16")
+       for ent in (False, True)
+       for bt, bv in (tile_shape(151936), tile_shape(300))]

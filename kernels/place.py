@@ -77,3 +77,13 @@ def _place_final_rewards_fwd(rollout_rewards, loss_mask, cu_seqlens, cu_segments
         _place_kernel[(R,)](rollout_rewards, loss_mask, cu_seqlens, cu_segments, out, T, S,
                             STITCHED=bool(stitched), BLOCK=block, num_warps=NUM_WARPS)
     return out
+
+
+# What tests/test_aot.py compiles: both modes and index dtypes, the sizes as i64 and as the JIT types them.
+_AOT_SIG = dict(rr_ptr="*fp32", mask_ptr="*i1", cu_ptr="*i64", cs_ptr="*i64", out_ptr="*fp32", T="i64", S="i64")
+AOT = [("_zero_kernel", {"out_ptr": "*fp32", "T": T}, {"BLOCK": ZERO_BLOCK}, {"num_warps": NUM_WARPS})
+       for T in ("i32", "i64")]
+AOT += [("_place_kernel", dict(_AOT_SIG, cu_ptr=f"*{idx}", cs_ptr=f"*{idx}", T=size, S=size),
+         {"STITCHED": stitched, "BLOCK": BLOCK}, {"num_warps": NUM_WARPS})
+        for idx, size, stitched in [("i64", "i64", False), ("i64", "i64", True), ("i32", "i32", False),
+                                    ("i32", "i32", True), ("i64", "i32", False)]]

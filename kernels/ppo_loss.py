@@ -290,3 +290,19 @@ def ppo_loss_fwd(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs
             HAS_TIS=rollout_logprobs is not None, PER_SEG=S > 1, NEED_GRAD=need_grad, BT=BT, FB=FINISH_BLOCKS,
             num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return loss, metrics, grad
+
+
+# What tests/test_aot.py compiles: every feature-flag combination that matters, both index dtypes.
+def _aot_sig(idx):
+    return {"logp": "*fp32", "old": "*fp32", "adv": "*fp32", "roll": "*fp32", "mask": "*i1", "cu": f"*{idx}",
+            "scale": "*fp64", "grad": "*fp32", "part": "*fp64", "ticket": "*i32", "loss_out": "*fp32",
+            "metrics_out": "*fp32", "T": "i32", "S": "i32", "n_iter": "i32",
+            **{f"{k}{e}": "fp32" for k in ("ratio_lo", "ratio_hi", "dual_c", "tis_cap") for e in ("", "_e")},
+            "HAS_TIS": "constexpr", "PER_SEG": "constexpr", "NEED_GRAD": "constexpr", "BT": "constexpr",
+            "FB": "constexpr"}
+
+
+AOT = [("ppo_loss_fwd_kernel", _aot_sig(idx), {"HAS_TIS": tis, "PER_SEG": per_seg, "NEED_GRAD": True, "BT": BLOCK,
+                                               "FB": FINISH_BLOCKS},
+        {"num_warps": NUM_WARPS, "maxnreg": MAXNREG})
+       for idx, tis, per_seg in [("i32", False, False), ("i32", True, True), ("i64", False, True)]]

@@ -124,3 +124,16 @@ def segment_weights(counts, cu_segments, reduction, den=None):
                                       out, S, R, max(1, R.bit_length()), hi, lo, REDUCTION=reduction,
                                       HAS_CS=cu_segments is not None, DEN=kind, BLOCK=block)
     return out
+
+
+# What tests/test_aot.py compiles: the counts with both index dtypes; the weights in each reduction and
+# denominator kind.
+AOT = [("_segment_counts_kernel", {"mask_ptr": "*u8", "cu_ptr": f"*{idx}", "counts_ptr": "*i64", "T": "i64"},
+        {"BLOCK": BLOCK}) for idx in ("i32", "i64")]
+AOT += [("_segment_weights_kernel",
+         dict(counts_ptr="*i64", cs_ptr="*i64", den_ptr="*fp64", prefix_ptr="*fp64", out_ptr="*fp64", S="i64",
+              R="i64", LOG_R="i32", den_hi="fp32", den_lo="fp32"),
+         {"REDUCTION": red, "HAS_CS": cs, "DEN": den, "BLOCK": WEIGHTS_BLOCK})
+        for red, cs, den in [(modes.REDUCTION_TOKEN_MEAN, False, 0), (modes.REDUCTION_SEGMENT_MEAN, False, 1),
+                             (modes.REDUCTION_ROLLOUT_MEAN, True, 2), (modes.REDUCTION_ROLLOUT_MEAN, True, 0),
+                             (modes.REDUCTION_SUM, False, 0)]]

@@ -94,3 +94,20 @@ def value_head_bwd(hidden, weight, grad, need_dh=True, need_dw=True, BT=32, BH=1
     if need_dw:
         dw = part.sum(0) if T else torch.zeros(H, device=hidden.device)
     return dh, dw
+
+
+# What tests/test_aot.py compiles: the forward in bf16 and fp32, the backward in every hidden dtype.
+AOT = [
+    ("value_head_fwd_kernel",
+     {"h": f"*{dt}", "w": "*fp32", "b": "*fp32", "out": "*fp32", "T": "i32", "H": "i32", "stride_t": "i64",
+      "HAS_BIAS": "constexpr", "BT": "constexpr", "BH": "constexpr"},
+     {"HAS_BIAS": True, "BT": 32, "BH": 128})
+    for dt in ("bf16", "fp32")
+] + [
+    ("value_head_bwd_kernel",
+     {"h": f"*{dt}", "w": "*fp32", "g": "*fp32", "dh": f"*{dt}", "dw_part": "*fp32", "T": "i32", "H": "i32",
+      "stride_t": "i64", "n_blocks": "i32", "NEED_DH": "constexpr", "NEED_DW": "constexpr", "BT": "constexpr",
+      "BH": "constexpr"},
+     {"NEED_DH": True, "NEED_DW": True, "BT": 32, "BH": 128})
+    for dt in ("bf16", "fp16", "fp32")
+]

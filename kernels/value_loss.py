@@ -239,3 +239,17 @@ def value_loss_fwd(values, old_values, returns, loss_mask, cu_seqlens, seg_scale
             grad, part, ticket, loss, metrics, T, S, search_steps(S), *split64(max(clip, 0.0)), USE_CLIP=clip >= 0,
             PER_SEG=S > 1, NEED_GRAD=need_grad, BT=BT, FB=FINISH_BLOCKS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return loss, metrics, grad
+
+
+# What tests/test_aot.py compiles: every feature-flag combination that matters, both index dtypes.
+def _aot_sig(idx):
+    return {"v": "*fp32", "old": "*fp32", "ret": "*fp32", "mask": "*i1", "cu": f"*{idx}", "scale": "*fp64",
+            "grad": "*fp32", "part": "*fp64", "ticket": "*i32", "loss_out": "*fp32", "metrics_out": "*fp32",
+            "T": "i32", "S": "i32", "n_iter": "i32", "eps": "fp32", "eps_e": "fp32", "USE_CLIP": "constexpr",
+            "PER_SEG": "constexpr", "NEED_GRAD": "constexpr", "BT": "constexpr", "FB": "constexpr"}
+
+
+AOT = [("value_loss_fwd_kernel", _aot_sig(idx),
+        {"USE_CLIP": clip, "PER_SEG": per_seg, "NEED_GRAD": True, "BT": 1024, "FB": FINISH_BLOCKS},
+        {"num_warps": NUM_WARPS, "maxnreg": MAXNREG})
+       for idx, clip, per_seg in [("i32", True, False), ("i32", False, True), ("i64", True, True)]]

@@ -1,9 +1,10 @@
 """Ahead-of-time compilation of the Triton kernels and the CUDA sources for sm_80 and sm_90, on a
 machine with no GPU, and resource usage read from the cubins with cuobjdump.
 
-What to compile for a kernels/ module: tests/_aot_specs.py `SPECS[module]`, a list of (kernel name, signature
-dict, constexpr dict) as `triton.compiler.ASTSource` takes them, and optionally a fourth item, the compile
-options its launcher passes (e.g. {"num_warps": 8}; default: Triton's). Triton runs in a subprocess with the interpreter off (the test process has it on).
+What to compile for a kernels/ module: its module-level `AOT` (tests/_aot_specs.py collects them), a list of
+(kernel name, signature dict, constexpr dict) as `triton.compiler.ASTSource` takes them, and optionally a fourth
+item, the compile options its launcher passes (e.g. {"num_warps": 8}; default: Triton's). Triton runs in a
+subprocess with the interpreter off (the test process has it on).
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def resource_usage(cubin: str) -> dict[str, dict[str, int]]:
 
 
 def aot_specs(module: str) -> list:
-    """The AOT specs of `module` (compactionrl_fast.kernels.<name>): tests/_aot_specs.py's (none: [])."""
+    """The AOT specs of `module` (compactionrl_fast.kernels.<name>): its `AOT` (none: [])."""
     from tests._aot_specs import SPECS
 
     return list(SPECS.get(module.rsplit(".", 1)[-1], []))

@@ -252,7 +252,7 @@ def test_torch_backend_has_no_host_read_off_the_cpu(stitched, idx):
 @pytest.mark.parametrize("idx", IDX)
 def test_triton_glue_on_cuda_launches_and_ops(monkeypatch, stitched, idx):
     """The Triton launcher on fake CUDA tensors, its launches stubbed: the zero fill over ceil(T/ZERO_BLOCK)
-    programs, then one program per rollout at the sizes tests/_aot_specs.py compiles; no host read, and no
+    programs, then one program per rollout at the sizes kernels/place.py's `AOT` compiles; no host read, and no
     op but the output's allocation (the device guard left out: no CUDA here)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -173,6 +173,22 @@ def test_table():
         "seed 0 ablation RL (transformers engine): rollouts 10%, training 90%, weight sync 0.0% of 5.0 min"]
 
 
+def test_table_of_partial_runs_and_other_engines():
+    """A seed without its SFT evaluation still lists its RL runs; a run without a time reads 0.0 minutes; the
+    phase lines name the config's engine (the embedded one when the config predates the key)."""
+    res = full_results()
+    del res["runs"]["0"]["sft"], res["runs"]["0"]["ablation_time_s"]
+    lines = R.table(res).split("\n")
+    assert [ln.split(" | ")[1] for ln in lines[2:6]] == ["CompactionRL", "ablation: summaries out of the loss",
+                                                         "SFT start", "CompactionRL"]
+    assert lines[3].endswith(" | 0.0 |")
+    assert lines[6].startswith("seed 0 full RL (transformers engine)") and len(lines) == 7
+    res["config"]["engine"] = "vllm"
+    assert R.table(res).split("\n")[6].startswith("seed 0 full RL (vllm engine): rollouts 25%")
+    del res["config"]["engine"]
+    assert R.table(res).split("\n")[6].startswith("seed 0 full RL (transformers engine): rollouts 25%")
+
+
 def test_headline():
     res = full_results()
     assert R.headline(res, "demo_x").split("\n") == [
@@ -192,9 +208,16 @@ def test_headline():
         "![training success and summary recall](demo_x.png)"]
 
 
+def test_headline_of_a_results_file_without_versions():
+    res = full_results()
+    del res["versions"]  # older NAME.json files, re-rendered by `python -m compactionrl_fast.app.results`
+    assert "evaluations the rest). Python None, torch None. Held-out" in R.headline(res, "d")
+
+
 def test_spans_and_load():
     assert R._span([]) == "-" and R._span([4.0]) == "4.0"
     assert R._span([4.0, 4.04]) == "4.0"  # within 0.05: one number
+    assert R._span([0.0, 0.05]) == "0.0-0.1"  # 0.05 apart: a range
     assert R._span([4.0, 4.06]) == "4.0-4.1" and R._span([4.1, 3.9, 5.0]) == "3.9-5.0"
     assert R._load(None) == "-" and R._load([]) == "-" and R._load([2.25, 9.0, 9.0]) == "2.2"
 
@@ -260,7 +283,8 @@ def test_write_puts_the_three_files(tmp_path, monkeypatch):
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
     R.write(res, str(out), "d")
-    assert json.loads((out / "d.json").read_text()) == res
+    text = (out / "d.json").read_text()
+    assert json.loads(text) == res and text.startswith('{\n "runs": {\n  "0": {\n   "sft"')  # indent 1
     assert (out / "d.md").read_text() == R.markdown(res, "d")
     assert (out / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(os.listdir(out)) == ["d.json", "d.md", "d.png"]
@@ -277,12 +301,42 @@ def test_write_puts_the_three_files(tmp_path, monkeypatch):
         assert ax.get_ylim() == (0, 1)
         (span,) = ax.patches
         assert span.get_x() == pytest.approx(-1.5) and span.get_width() == pytest.approx(2.0)
+        assert ax.get_xlabel() == "actor update (shaded: value pre-training)"
+    assert ax0.get_legend() is not None and ax1.get_legend() is None
+
+
+@pytest.mark.filterwarnings("ignore:No artists with labels")  # no run plotted: an empty legend
+def test_json_holds_what_json_cannot_as_text(tmp_path):
+    import pathlib
+
+    res = full_results(str(tmp_path / "runs"))
+    res["config"]["out"] = pathlib.Path("a") / "b"
+    R.write(res, str(tmp_path), "d")
+    assert json.loads((tmp_path / "d.json").read_text())["config"]["out"] == os.path.join("a", "b")
+
+
+@pytest.mark.filterwarnings("ignore:No artists with labels")  # no run plotted: an empty legend
+def test_curves_without_value_pretraining_or_metrics(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    figs = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figs.append(fig))
+    R.curves(full_results(str(tmp_path / "nothing here")), str(tmp_path / "a.png"))  # no run found: empty axes
+    _metrics(str(tmp_path / "runs" / "seed0" / "full" / "metrics.jsonl"), 0, 2)
+    R.curves(full_results(str(tmp_path / "runs")), str(tmp_path / "b.png"))
+    for fig, n in zip(figs, (0, 1)):
+        for ax in fig.axes:
+            assert ax.get_xlabel() == "actor update" and not ax.patches and len(ax.get_lines()) == n
+    assert [ln.get_xdata().tolist() for ln in figs[1].axes[0].get_lines()] == [[1, 2]]
 
 
 def test_markdown():
     res = full_results()
     md = R.markdown(res, "demo_x")
-    assert md.startswith("# CPU demo (demo_x)\n\n" + R.headline(res, "demo_x") + "\n\n## Details\n\n")
-    assert "Command: `python -m compactionrl_fast demo --seeds 0 1`\n" in md
-    assert "total 15.0 min wall, 25.0 min CPU" in md
-    assert md.endswith(R.table(res) + "\n")
+    assert md.split("\n") == [
+        "# CPU demo (demo_x)", "", *R.headline(res, "demo_x").split("\n"), "", "## Details", "",
+        "Command: `python -m compactionrl_fast demo --seeds 0 1`", "",
+        f"Machine: {res['machine']}; total 15.0 min wall, 25.0 min CPU (load averages at start and end show how "
+        "shared the machine was).", "",
+        "Evaluation: held-out tasks, success = exact answer; summary recall = fraction of summaries that hold every "
+        "digit seen before them.", "", *R.table(res).split("\n"), ""]

@@ -83,6 +83,19 @@ def test_ablation_at_least_0_3_below_full(full, abl, met):
     assert targets((0.0, full, abl), (0.0, 0.0, None))[ABL] is met  # a seed without an ablation is not counted
 
 
+def test_thresholds_hold_against_float_rounding():
+    # on each threshold in exact arithmetic, past it by rounding: met; past it by 1e-6 (far below any 1 / n): missed
+    assert 0.95 - 0.65 < R.ABLATION_GAP and sum((0.95, 0.963, 0.997)) / 3 < R.FULL_MEAN_MIN
+    assert targets((0.0, 0.95, 0.65))[ABL] is True
+    assert targets((0.0, 0.95, 0.65 + 1e-6))[ABL] is False
+    assert targets((0.0, 0.95, None), (0.0, 0.963, None), (0.0, 0.997, None))[MEAN] is True
+    assert targets((0.0, 0.95, None), (0.0, 0.963, None), (0.0, 0.997 - 3e-6, None))[MEAN] is False
+    for x, met in ((0.95 - 1e-12, True), (0.95 - 1e-6, False)):
+        assert targets((0.0, x, None))[FULL] is met
+    for x, met in ((0.1 + 1e-12, True), (0.1 + 1e-6, False)):
+        assert targets((x, 1.0, None))[SFT] is met
+
+
 def test_ablation_target_missed_without_an_ablation():
     assert targets((0.0, 1.0, None), (0.0, 1.0, None))[ABL] is False
 

@@ -20,6 +20,9 @@ from ._git import git_revision
 SFT_GREEDY_MAX, FULL_MIN, ABLATION_GAP = 0.1, 0.95, 0.3
 # and over 3 or more seeds a mean of at least FULL_MEAN_MIN (the margin: one seed sits within ~0.01 sampling error)
 FULL_MEAN_MIN, MEAN_MIN_SEEDS = 0.97, 3
+# successes are k / n: a difference or mean that is on a threshold in exact arithmetic may round just past it
+# (0.95 - 0.65 = 0.29999999999999993); far below any 1 / n
+_SLACK = 1e-9
 
 
 def versions() -> dict:
@@ -109,10 +112,11 @@ def summary(results) -> dict:
     sft_g = [r["sft"]["greedy"]["success"] for r in runs]
     return {"full_success": full, "sft_greedy_success": sft_g,
             "ablation_gap": [a - b for a, b in abl],
-            "targets": {f"sft_greedy_le_{SFT_GREEDY_MAX}": all(x <= SFT_GREEDY_MAX for x in sft_g),
-                        f"full_ge_{FULL_MIN}_every_seed": bool(full) and all(x >= FULL_MIN for x in full),
-                        f"ablation_ge_{ABLATION_GAP}_below": bool(abl) and all(a - b >= ABLATION_GAP for a, b in abl),
-                        **({f"full_mean_ge_{FULL_MEAN_MIN}": sum(full) / len(full) >= FULL_MEAN_MIN}
+            "targets": {f"sft_greedy_le_{SFT_GREEDY_MAX}": all(x <= SFT_GREEDY_MAX + _SLACK for x in sft_g),
+                        f"full_ge_{FULL_MIN}_every_seed": bool(full) and all(x >= FULL_MIN - _SLACK for x in full),
+                        f"ablation_ge_{ABLATION_GAP}_below": bool(abl) and all(a - b >= ABLATION_GAP - _SLACK
+                                                                               for a, b in abl),
+                        **({f"full_mean_ge_{FULL_MEAN_MIN}": sum(full) / len(full) >= FULL_MEAN_MIN - _SLACK}
                            if len(full) >= MEAN_MIN_SEEDS else {})}}
 
 

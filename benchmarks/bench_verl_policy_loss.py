@@ -57,7 +57,8 @@ def rows_for(B, L):
         return run
 
     return {"op flat": op(mask), "op flat, int64 mask .bool()": op(mask.long()),
-            "op flat, float32 mask .bool()": op(mask.float()), "adapter, bool mask": adapter(mask), "adapter, int64 mask": adapter(mask.long()),
+            "op flat, float32 mask .bool()": op(mask.float()),
+            "adapter, bool mask": adapter(mask), "adapter, int64 mask": adapter(mask.long()),
             "adapter, float32 mask": adapter(mask.float()),
             "int64 mask, torch check": adapter(mask.long(), one_pass=False),
             "float32 mask, torch check": adapter(mask.float(), one_pass=False)}
@@ -88,7 +89,8 @@ def main(argv=None):
         r["x_op_cpu"] = r["cpu_ms"] / base_cpu[r["shape"]]
         same = next((f"op flat, {d} mask .bool()" for d in ("int64", "float32") if f"{d} mask" in r["name"]),
                     "op flat")  # the op given the same mask, converted as a caller of the op must
-        r["x_same_cpu"] = r["cpu_ms"] / next(q["cpu_ms"] for q in rows if q["shape"] == r["shape"] and q["name"] == same)
+        r["x_same_cpu"] = r["cpu_ms"] / next(q["cpu_ms"] for q in rows
+                                             if q["shape"] == r["shape"] and q["name"] == same)
     cols = [("name", "row", ""), ("shape", "shape", ""), ("median_ms", "median ms", ".3f"), ("min_ms", "min ms", ".3f"),
             ("cpu_ms", "cpu ms", ".3f"), ("reps", "rounds", "d"), ("x_op", "x op", ".3f"),
             ("x_op_cpu", "x op (cpu)", ".3f"), ("x_same_cpu", "x op, same mask (cpu)", ".3f")]

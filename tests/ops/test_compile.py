@@ -12,7 +12,6 @@ from compactionrl_fast.reference import gae as ref_gae
 from tests.ops import registry_runs as reg
 
 
-
 def test_backend_choice_is_marked_constant_as_dynamo_marks_it():
     """_dispatch marks `_resolve` constant for dynamo by hand (importing torch._dynamo for its decorator costs
     about half of the package's import): the flag must be the one the decorator sets."""

@@ -103,7 +103,7 @@ def padded(m):
     """The padded forward's inputs of micro-batch m, as packed_hidden builds them: [(ids, mask, pos, seq, col, tok)]."""
     b = m.batch
     out = []
-    for seq, col, tk, mask in m.tables:
+    for seq, col, tk, mask, *_ in m.tables:  # the full forward (keep/slot of the positions unused)
         A, L = mask.shape
         ids = b.input_ids.new_zeros(A, L).index_put_((seq, col), b.input_ids[tk])
         pos = b.position_ids.new_zeros(A, L).index_put_((seq, col), b.position_ids[tk])

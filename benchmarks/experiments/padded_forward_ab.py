@@ -29,27 +29,33 @@ from compactionrl_fast.train.trainer import make_state, train_step  # noqa: E402
 def capped(tables, cap):
     """The buckets of `tables` split into calls of at most `cap` padded tokens (rows * width)."""
     out = []
-    for seq, col, tok, mask in tables:
+    for seq, col, tok, mask, keep, slot in tables:
         A, L = mask.shape
         rows = max(1, cap // L)
+        at = None if keep is None else torch.full_like(tok, -1).index_put_((keep,), slot)  # slot of each token
         for r0 in range(0, A, rows):
             sel = (seq >= r0) & (seq < r0 + rows)
             m = mask[r0:r0 + rows]
-            out.append((seq[sel] - r0, col[sel], tok[sel], m[:, :int(m.sum(1).max())].contiguous()))
+            k = s = None
+            if at is not None:
+                k = (at[sel] >= 0).nonzero()[:, 0]
+                s = at[sel][k]
+            out.append((seq[sel] - r0, col[sel], tok[sel], m[:, :int(m.sum(1).max())].contiguous(), k, s))
     return out
 
 
-def causal_hidden(model, input_ids, position_ids, cu_attn, *, pad_ratio=0.8, tables=None):
-    """packed_hidden without the padding mask (pads at positions counting on past each row's end)."""
+def causal_hidden(model, input_ids, position_ids, cu_attn, *, positions=None, pad_ratio=0.8, tables=None):
+    """packed_hidden without the padding mask (pads at positions counting on past each row's end); the full
+    forward (every layer at every position), then `positions`."""
     dec = M.decoder(model)
     hidden = None
-    for seq, col, tok, mask in tables if tables is not None else M.forward_tables(cu_attn, pad_ratio):
+    for seq, col, tok, mask, *_ in tables if tables is not None else M.forward_tables(cu_attn, pad_ratio):
         A, L = mask.shape
         ids = input_ids.new_zeros(A, L).index_put_((seq, col), input_ids[tok])
         pos = torch.arange(L).repeat(A, 1).index_put_((seq, col), position_ids[tok])
         h = dec(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[seq, col]
         hidden = (h.new_zeros(input_ids.numel(), h.shape[-1]) if hidden is None else hidden).index_copy(0, tok, h)
-    return hidden
+    return hidden if positions is None else hidden[positions]
 
 
 def bitwise(actor, mbs, original) -> bool:

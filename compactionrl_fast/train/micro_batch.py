@@ -97,7 +97,7 @@ class MicroBatch:
         return cls(batch=batch, idx=idx, rewards=placed_rewards(batch, cfg), reward_mode=reward_mode(cfg),
                    loss_cu=cu, value_mask=value_mask, policy_mask=pm, policy_pos=pos,
                    rollout_logprobs=batch.rollout_logprobs[idx].float(),
-                   tables=forward_tables(batch.cu_attn),
+                   tables=forward_tables(batch.cu_attn, positions=idx - 1),
                    diag=diagnostics.layout_part(batch, cfg, idx, ids), host=host, n_tokens=idx.numel(),
                    n_policy=pos.numel())
 

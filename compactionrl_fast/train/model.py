@@ -93,8 +93,10 @@ def decoder(model) -> nn.Module:
 # packed forward
 
 
-def packed_hidden(model, input_ids, position_ids, cu_attn, *, pad_ratio=0.8, tables=None):
-    """Last hidden states [T, H] of the decoder of `model` (actor or critic) over packed sequences.
+def packed_hidden(model, input_ids, position_ids, cu_attn, *, positions=None, pad_ratio=0.8, tables=None):
+    """Last hidden states of the decoder of `model` (actor or critic) over packed sequences: [T, H], or
+    [N, H] at the packed `positions` [N] (then the last layer's residual MLP and the final norm run only there:
+    `_decoder_at`).
 
     On the padded path, sequences are sorted by length and run in buckets padded to their longest
     (at most 1 - pad_ratio of a bucket is padding; one call when lengths are alike).
@@ -102,36 +104,91 @@ def packed_hidden(model, input_ids, position_ids, cu_attn, *, pad_ratio=0.8, tab
     Args:
         input_ids: [T] int64; position_ids: [T] int64 (0 at the start of each attention sequence);
         cu_attn: [A+1] int64 attention-sequence offsets.
-        tables: `forward_tables(cu_attn, pad_ratio)` built beforehand (on the host: no host read here);
-            None builds them from cu_attn.
+        positions: [N] int64, distinct, in [0, T); None for all.
+        tables: `forward_tables(cu_attn, pad_ratio, positions)` built beforehand (on the host: no host read
+            here); None builds them.
     """
     dec = decoder(model)
     T = input_ids.numel()
     if getattr(dec.config, "_attn_implementation", "") == "flash_attention_2":
         # one packed row: HF derives the varlen boundaries from the position-id restarts
-        out = dec(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
-        return out.last_hidden_state[0]
-    hidden = None
-    for seq, col, tok, mask in forward_tables(cu_attn, pad_ratio) if tables is None else tables:
+        inputs = dict(input_ids=input_ids[None], position_ids=position_ids[None])
+        if positions is None:
+            return dec(**inputs, use_cache=False).last_hidden_state[0]
+        return _decoder_at(dec, torch.zeros_like(positions), positions, **inputs)
+    n_out = T if positions is None else positions.numel()
+    out = None
+    for seq, col, tok, mask, keep, slot in forward_tables(cu_attn, pad_ratio, positions) if tables is None else tables:
+        if positions is not None and keep is None:
+            raise ValueError("packed_hidden: `tables` were built without positions; build them with "
+                             "forward_tables(cu_attn, pad_ratio, positions)")
+        if positions is not None and keep.numel() == 0:  # no wanted position in this bucket (a host-known shape)
+            continue
         A, L = mask.shape
         ids = input_ids.new_zeros(A, L).index_put_((seq, col), input_ids[tok])
         pos = position_ids.new_zeros(A, L).index_put_((seq, col), position_ids[tok])
-        h = dec(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state[seq, col]
-        if hidden is None:
-            hidden = h.new_zeros(T, h.shape[-1])
-        hidden = hidden.index_copy(0, tok, h)
-    return hidden if hidden is not None else input_ids.new_zeros(T, dec.config.hidden_size, dtype=torch.float32)
+        inputs = dict(input_ids=ids, attention_mask=mask, position_ids=pos)
+        if positions is None:
+            h, dst = dec(**inputs, use_cache=False).last_hidden_state[seq, col], tok
+        else:
+            h, dst = _decoder_at(dec, seq[keep], col[keep], **inputs), slot
+        if out is None:
+            out = h.new_zeros(n_out, h.shape[-1])
+        out = out.index_copy(0, dst, h)
+    return out if out is not None else input_ids.new_zeros(n_out, dec.config.hidden_size, dtype=torch.float32)
 
 
-def forward_tables(cu_attn, pad_ratio=0.8) -> list:
+class _LastLayerInputs(Exception):
+    """Stops a decoder's forward at its last layer, carrying that layer's (args, kwargs)."""
+
+
+# decoder layers known to be pre-norm residual blocks: h + attn(norm1(h)), then r + mlp(norm2(r))
+_PRE_NORM_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
+
+
+def _decoder_at(dec, seq, col, **inputs):
+    """Hidden states [n, H] at (seq [n], col [n]) of the decoder's output on the HF `inputs` ([rows, width]).
+
+    The heads read a few positions (the states before trainable tokens), and only the last layer's keys and
+    values need every position. So HF runs every layer but the last (its mask and rotary embeddings as it builds
+    them, captured at the last layer's call), the last layer's attention runs on every position, and its residual
+    MLP and the final norm only at (seq, col). Other decoder layers: the full forward, then the selection."""
+    last = dec.layers[-1]
+    if type(last).__name__ not in _PRE_NORM_LAYERS:
+        return dec(**inputs, use_cache=False).last_hidden_state[seq, col]
+
+    def stop(module, args, kwargs):
+        raise _LastLayerInputs(args, kwargs)
+
+    handle = last.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        dec(**inputs, use_cache=False)
+        raise RuntimeError("the decoder's forward did not call its last layer")
+    except _LastLayerInputs as e:
+        args, kwargs = e.args
+    finally:
+        handle.remove()
+    h = args[0] if args else kwargs["hidden_states"]
+    attn_kw = {k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids") if k in kwargs}
+    a = last.self_attn(hidden_states=last.input_layernorm(h), **attn_kw)[0]
+    r = h[seq, col] + a[seq, col]
+    return dec.norm(r + last.mlp(last.post_attention_layernorm(r)))
+
+
+def forward_tables(cu_attn, pad_ratio=0.8, positions=None) -> list:
     """The padded forward's index tables of the attention sequences `cu_attn` [A+1]: one (seq [n], col [n],
-    tok [n], attention mask [rows, width] int64) per bucket; the bucket's n tokens go to (seq, col) of the
-    padded [rows, width] input, from packed positions tok. Empty sequences are left out (they would give
-    fully masked rows). Reads cu_attn on the host: build them where it lives there."""
+    tok [n], attention mask [rows, width] int64, keep [m], slot [m]) per bucket; the bucket's n tokens go to
+    (seq, col) of the padded [rows, width] input, from packed positions tok. With `positions` [N] (the packed
+    positions whose hidden states are wanted), keep are the bucket's tokens among them (indices into its n) and
+    slot their places in `positions`; else both None. Empty sequences are left out (they would give fully
+    masked rows). Reads cu_attn and positions on the host: build them where they live there."""
     lens = cu_attn.diff().long()
     order = torch.argsort(lens, descending=True, stable=True)
     order = order[lens[order] > 0]
     dev = cu_attn.device
+    if positions is not None:  # the slot in positions of each packed position, -1 where it is not wanted
+        at = torch.full((int(cu_attn[-1]),), -1, dtype=torch.long, device=dev)
+        at[positions] = torch.arange(positions.numel(), device=dev)
     out = []
     for a, b in _buckets(lens[order].tolist(), pad_ratio):
         sel = order[a:b]
@@ -140,7 +197,12 @@ def forward_tables(cu_attn, pad_ratio=0.8) -> list:
         seq = torch.repeat_interleave(torch.arange(A, device=dev), ln, output_size=n)
         col = torch.arange(n, device=dev) - (torch.cumsum(ln, 0) - ln)[seq]
         mask = torch.zeros(A, L, dtype=torch.long, device=dev).index_put_((seq, col), torch.ones_like(col))
-        out.append((seq, col, starts[seq] + col, mask))
+        tok = starts[seq] + col
+        keep = slot = None
+        if positions is not None:
+            keep = (at[tok] >= 0).nonzero()[:, 0]
+            slot = at[tok[keep]]
+        out.append((seq, col, tok, mask, keep, slot))
     return out
 
 
@@ -171,16 +233,15 @@ def actor_logprobs(actor, batch, idx, *, temperature=1.0, return_entropy=False, 
     `tables`: see `packed_hidden`."""
     from ..ops import linear_logprobs
 
-    hidden = packed_hidden(actor, batch.input_ids, batch.position_ids, batch.cu_attn, tables=tables)
+    hidden = packed_hidden(actor, batch.input_ids, batch.position_ids, batch.cu_attn, positions=idx - 1, tables=tables)
     head = actor.get_output_embeddings()
-    return linear_logprobs(hidden[idx - 1], head.weight, batch.input_ids[idx], bias=head.bias,
+    return linear_logprobs(hidden, head.weight, batch.input_ids[idx], bias=head.bias,
                            temperature=temperature, return_entropy=return_entropy)
 
 
 def critic_hidden(critic, batch, idx, tables=None):
     """Hidden states [N, H] of the states before the tokens at positions `idx` (input of the value head)."""
-    hidden = packed_hidden(critic, batch.input_ids, batch.position_ids, batch.cu_attn, tables=tables)
-    return hidden[idx - 1]
+    return packed_hidden(critic, batch.input_ids, batch.position_ids, batch.cu_attn, positions=idx - 1, tables=tables)
 
 
 def critic_values(critic, batch, idx):

@@ -1,8 +1,12 @@
-"""Packed forward of actor and critic equals the per-sequence forward; heads read position t-1."""
+"""Packed forward of actor and critic equals the per-sequence forward; heads read position t-1; the forward at
+chosen positions (the last layer's MLP only there) equals the full one."""
 import pytest
 import torch
 
-from compactionrl_fast.train.model import (action_index, actor_logprobs, critic_values, packed_hidden)
+from compactionrl_fast.train import model as M
+from compactionrl_fast.train.config import ModelConfig
+from compactionrl_fast.train.model import (action_index, actor_logprobs, build_actor, critic_from_actor,
+                                           critic_values, forward_tables, packed_hidden)
 
 from ._tiny import hand_batch, tiny_models
 
@@ -51,3 +55,71 @@ def test_trainable_first_token_is_rejected():
     b.loss_mask[0] = True
     with pytest.raises(ValueError, match="first token"):
         action_index(b.loss_mask, b.cu_attn)
+
+
+def _varlen(seed=0, lens=(7, 0, 1, 12, 30, 3, 1, 9)):
+    """Packed inputs of attention sequences of `lens` (empty, single-token, long ones; several buckets)."""
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    ids = torch.randint(0, 34, (int(cu[-1]),), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    return ids, pos, cu, g
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_hidden_at_positions_equals_the_full_forward_float64(arch, layers):
+    """packed_hidden(positions=p) = packed_hidden()[p], values and every parameter's gradient, in float64, with
+    p in random order, missing whole buckets (the 1-token sequences) and both layer counts."""
+    torch.manual_seed(1)
+    cfg = ModelConfig(arch=arch, hidden_size=16, num_layers=layers, num_heads=2, intermediate_size=32,
+                      max_positions=64)
+    actor = build_actor(cfg, 34).double()
+    for model in (actor, critic_from_actor(actor)):
+        ids, pos, cu, g = _varlen()
+        p = torch.tensor([0, 6, 8, 14, 19, 20, 35, 49, 50, 51, 54, 62])[torch.randperm(12, generator=g)]
+        assert len(forward_tables(cu)) > 1 and all(int(cu[i]) not in p.tolist() for i in (2, 6))  # 1-token rows
+        w = torch.randn(p.numel(), 16, generator=g, dtype=torch.float64)
+        out = []
+        for kw in (dict(), dict(positions=p), dict(positions=p, tables=forward_tables(cu, 0.8, p))):
+            model.zero_grad()
+            h = packed_hidden(model, ids, pos, cu, **kw)
+            h = h[p] if not kw else h
+            (h * w).sum().backward()
+            out.append((h.detach(), [q.grad.clone() for q in model.parameters() if q.grad is not None]))
+        for h, grads in out[1:]:
+            torch.testing.assert_close(h, out[0][0], rtol=1e-12, atol=1e-12)
+            assert len(grads) == len(out[0][1])
+            for a, b in zip(grads, out[0][1]):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_the_last_layers_mlp_runs_only_at_the_positions():
+    """What makes the forward at positions cheaper: the last layer's MLP sees N rows, not every padded token;
+    a decoder layer of unknown structure runs whole (same numbers)."""
+    torch.manual_seed(0)
+    actor = build_actor(ModelConfig(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
+                                    max_positions=64), 34)
+    ids, pos, cu, _ = _varlen()
+    p = torch.tensor([3, 9, 20, 40, 45])
+    seen = []
+    hook = actor.get_decoder().layers[-1].mlp.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[:-1]))
+    try:
+        h = packed_hidden(actor, ids, pos, cu, positions=p)
+        assert sum(s.numel() for s in seen) == p.numel()
+        seen.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(M, "_PRE_NORM_LAYERS", ())
+            whole = packed_hidden(actor, ids, pos, cu, positions=p)
+        assert sum(s.numel() for s in seen) > 2 * p.numel()  # every padded token of the buckets it reads
+    finally:
+        hook.remove()
+    torch.testing.assert_close(whole, h, rtol=1e-5, atol=1e-6)
+    assert packed_hidden(actor, ids, pos, cu, positions=p[:0]).shape == (0, 16)
+
+
+def test_tables_without_positions_are_refused_for_a_forward_at_positions():
+    actor, _ = tiny_models()
+    ids, pos, cu, _ = _varlen()
+    with pytest.raises(ValueError, match="without positions"):
+        packed_hidden(actor, ids, pos, cu, positions=torch.tensor([3]), tables=forward_tables(cu))

@@ -168,9 +168,9 @@ def _decoder_at(dec, seq, col, **inputs):
         args, kwargs = e.args
     finally:
         handle.remove()
-    h = args[0] if args else kwargs["hidden_states"]
-    attn_kw = {k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids") if k in kwargs}
-    a = last.self_attn(hidden_states=last.input_layernorm(h), **attn_kw)[0]
+    h = args[0] if args else kwargs.pop("hidden_states")
+    # the layer hands its keyword arguments (mask, rotary embeddings, position ids, cache) to its attention
+    a = last.self_attn(hidden_states=last.input_layernorm(h), **kwargs)[0]
     r = h[seq, col] + a[seq, col]
     return dec.norm(r + last.mlp(last.post_attention_layernorm(r)))
 

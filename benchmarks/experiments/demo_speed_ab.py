@@ -99,6 +99,18 @@ def rl_batches(cfg, tok, make_envs, rcfg, actor, steps):
     return out
 
 
+def ppo_step_data(sft_steps: int):
+    """The A/B scripts' common start at 1 thread: after `sft_steps` SFT steps, 2 PPO steps' batches with every
+    update at the demo's 3 epochs -> (cfg, data as rl_batches gives it, actor, critic)."""
+    from compactionrl_fast.train.config_load import update
+    from compactionrl_fast.train.model import critic_from_actor
+
+    torch.set_num_threads(1)
+    cfg, tok, make_envs, rcfg, actor = setup(argparse.Namespace(sft_steps=sft_steps, rl_steps=2))
+    cfg = update(cfg, {"ppo_epochs_from": 0})
+    return cfg, rl_batches(cfg, tok, make_envs, rcfg, actor, 2), actor, critic_from_actor(actor)
+
+
 def padded(m):
     """The padded forward's inputs of micro-batch m, as packed_hidden builds them: [(ids, mask, pos, seq, col, tok)]."""
     b = m.batch

@@ -21,10 +21,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from benchmarks.experiments.demo_speed_ab import load, rl_batches, setup  # noqa: E402
+from benchmarks.experiments.demo_speed_ab import load, ppo_step_data  # noqa: E402
 from compactionrl_fast.train import model as M  # noqa: E402
 from compactionrl_fast.train import trainer as TR  # noqa: E402
-from compactionrl_fast.train.config_load import update  # noqa: E402
 from compactionrl_fast.train.trainer import make_state, train_step  # noqa: E402
 
 
@@ -47,11 +46,7 @@ def main():
     p.add_argument("--sft-steps", type=int, default=30)
     p.add_argument("--reps", type=int, default=3)
     a = p.parse_args()
-    torch.set_num_threads(1)
-    cfg, tok, make_envs, rcfg, actor = setup(argparse.Namespace(sft_steps=a.sft_steps, rl_steps=2))
-    cfg = update(cfg, {"ppo_epochs_from": 0})  # every update with the demo's 3 epochs
-    data = rl_batches(cfg, tok, make_envs, rcfg, actor, 2)
-    critic = M.critic_from_actor(actor)
+    cfg, data, actor, critic = ppo_step_data(a.sft_steps)
     mbs = [m for _, b, _ in data for m in b]
     diff = 0.0
     with torch.no_grad():

@@ -52,6 +52,7 @@ def run(base: TrainConfig, *, seeds=(0, 1, 2), variants=tuple(VARIANTS), name="a
     from . import demo
     from .results import machine, versions
     from .plots import plot_run
+    from ..train.cpu_malloc import keep_freed_memory
     from ..train.threads import make_tuner
 
     unknown = [v for v in variants if v not in VARIANTS]
@@ -62,6 +63,8 @@ def run(base: TrainConfig, *, seeds=(0, 1, 2), variants=tuple(VARIANTS), name="a
     progress = base.progress if progress is None else progress
     workers = demo._workers(base, workers)
     tuner = make_tuner(base.threads)
+    if demo.on_cpu(base):
+        keep_freed_memory()
     t0 = time.time()
     results = {"command": "python -m compactionrl_fast " + " ".join(argv), "config": to_dict(base),
                "machine": {**machine(base.threads), "demo_workers": workers}, "versions": versions(),

@@ -25,6 +25,7 @@ from .runner import bar_position, build, run_eval, run_rl, run_sft, task
 from ..train.config import SFTConfig, TrainConfig
 from ..train.config_load import to_dict, update
 from ..train.engines import make_engine
+from ..train.cpu_malloc import keep_freed_memory
 from ..train.threads import make_tuner
 from ..train.dist import world
 from ..train.log import MetricsLog
@@ -64,6 +65,8 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
     record_root = _checkout_root() if record else None  # fail before hours of training, not after
     workers = _workers(cfg, workers)
     tuner = make_tuner(cfg.threads)  # before vLLM starts: in this process it fixes torch's thread count
+    if on_cpu(cfg):
+        keep_freed_memory()
     t0, c0, k0 = time.time(), time.process_time(), _children_cpu()
     tok, _, _ = task(cfg)
     shared = _shared_engine(cfg, tok)  # vLLM: one engine for every run, synced to each model
@@ -108,14 +111,17 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
 def _workers(cfg: TrainConfig, workers) -> int:
     """The number of job processes: an int >= 1, or "auto" (one per core on CPU with the embedded engine)."""
     if workers == "auto":
-        on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-        return (os.cpu_count() or 1) if on_cpu and cfg.engine == "transformers" and world()[1] == 1 else 1
+        return (os.cpu_count() or 1) if on_cpu(cfg) and cfg.engine == "transformers" and world()[1] == 1 else 1
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"workers must be an int >= 1 or 'auto', got {workers!r}")
     if workers > 1 and (cfg.engine != "transformers" or world()[1] > 1):
         raise ValueError("workers > 1 needs the embedded engine (engine: transformers) and a single process "
                          f"(got engine {cfg.engine!r}, world size {world()[1]})")
     return workers
+
+
+def on_cpu(cfg: TrainConfig) -> bool:
+    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
 
 
 def _run_jobs(jobs, workers, cfg, local):
@@ -132,7 +138,7 @@ def _run_jobs(jobs, workers, cfg, local):
     n = min(workers, len(jobs))
     threads = cfg.threads if isinstance(cfg.threads, int) and cfg.threads > 0 else max(1, (os.cpu_count() or 1) // n)
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
-                             initargs=(threads,)) as pool:
+                             initargs=(threads, on_cpu(cfg))) as pool:
         futures = [pool.submit(fn, *args, progress=local["progress"], position=i) for i, (fn, args) in enumerate(jobs)]
         for f in as_completed(futures):
             yield f.result()
@@ -146,8 +152,10 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _worker_init(threads: int):
+def _worker_init(threads: int, cpu: bool = False):
     torch.set_num_threads(threads)
+    if cpu:
+        keep_freed_memory()
 
 
 def _sft_weights(cfg: TrainConfig, seed: int) -> str:

@@ -15,6 +15,7 @@ from ..train import atomic, checkpoint
 from ..train.config import TrainConfig
 from ..train.config_load import dumps
 from ..train.engines import make_engine
+from ..train.cpu_malloc import keep_freed_memory
 from ..train.threads import make_tuner, maybe_step
 from ..train.dist import world
 from ..train.log import MetricsLog
@@ -197,6 +198,8 @@ def train(cfg: TrainConfig, *, resume: bool = True):
     _init_distributed(cfg)
     rank, _ = world()
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if device == "cpu":
+        keep_freed_memory()
     tok, make_envs, rcfg = task(cfg)
     actor = build(cfg, tok, device)  # same seed on every rank: identical initial weights
     if rank == 0:

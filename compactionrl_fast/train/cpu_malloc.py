@@ -21,8 +21,8 @@ MMAP_THRESHOLD, TRIM_THRESHOLD = 256 << 20, 1 << 30
 def keep_freed_memory() -> bool:
     """Set glibc's mmap threshold to 256 MiB and its trim threshold to 1 GiB (fixed values also stop glibc's
     own adjustment of them). True when both were set; False where the C library is not glibc, or when
-    COMPACTIONRL_MALLOC=default asks to leave them."""
-    if os.environ.get("COMPACTIONRL_MALLOC", "") == "default":
+    COMPACTIONRL_FAST_MALLOC=default asks to leave them."""
+    if os.environ.get("COMPACTIONRL_FAST_MALLOC", "") == "default":
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -31,9 +31,9 @@ print(set_, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 
 
 def _faults(env_value):
-    env = {k: v for k, v in os.environ.items() if k != "COMPACTIONRL_MALLOC"}
+    env = {k: v for k, v in os.environ.items() if k != "COMPACTIONRL_FAST_MALLOC"}
     if env_value is not None:
-        env["COMPACTIONRL_MALLOC"] = env_value
+        env["COMPACTIONRL_FAST_MALLOC"] = env_value
     out = subprocess.run([sys.executable, "-c", _LOOP], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     set_, faults = out.stdout.split()
@@ -52,9 +52,9 @@ def test_fixed_thresholds_stop_the_page_faults_of_freed_buffers():
 
 @glibc
 def test_keep_freed_memory_sets_both_thresholds(monkeypatch):
-    monkeypatch.delenv("COMPACTIONRL_MALLOC", raising=False)
+    monkeypatch.delenv("COMPACTIONRL_FAST_MALLOC", raising=False)
     assert cpu_malloc.keep_freed_memory() is True
-    monkeypatch.setenv("COMPACTIONRL_MALLOC", "default")
+    monkeypatch.setenv("COMPACTIONRL_FAST_MALLOC", "default")
     assert cpu_malloc.keep_freed_memory() is False
 
 

@@ -52,6 +52,7 @@ def run(base: TrainConfig, *, seeds=(0, 1, 2), variants=tuple(VARIANTS), name="a
     from . import demo
     from .results import machine, versions
     from .plots import plot_run
+    from .runner import device_of
     from ..train.cpu_malloc import keep_freed_memory
     from ..train.threads import make_tuner
 
@@ -63,7 +64,7 @@ def run(base: TrainConfig, *, seeds=(0, 1, 2), variants=tuple(VARIANTS), name="a
     progress = base.progress if progress is None else progress
     workers = demo._workers(base, workers)
     tuner = make_tuner(base.threads)
-    if demo.on_cpu(base):
+    if device_of(base) == "cpu":
         keep_freed_memory()
     t0 = time.time()
     results = {"command": "python -m compactionrl_fast " + " ".join(argv), "config": to_dict(base),

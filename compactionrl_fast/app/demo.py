@@ -21,7 +21,7 @@ import torch
 
 from ._git import git_revision
 from .results import machine, print_eval, summary, table, targets_line, versions, write
-from .runner import bar_position, build, run_eval, run_rl, run_sft, task
+from .runner import bar_position, build, device_of, run_eval, run_rl, run_sft, task
 from ..train.config import SFTConfig, TrainConfig
 from ..train.config_load import to_dict, update
 from ..train.engines import make_engine
@@ -65,7 +65,7 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
     record_root = _checkout_root() if record else None  # fail before hours of training, not after
     workers = _workers(cfg, workers)
     tuner = make_tuner(cfg.threads)  # before vLLM starts: in this process it fixes torch's thread count
-    if on_cpu(cfg):
+    if device_of(cfg) == "cpu":
         keep_freed_memory()
     t0, c0, k0 = time.time(), time.process_time(), _children_cpu()
     tok, _, _ = task(cfg)
@@ -111,17 +111,14 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
 def _workers(cfg: TrainConfig, workers) -> int:
     """The number of job processes: an int >= 1, or "auto" (one per core on CPU with the embedded engine)."""
     if workers == "auto":
-        return (os.cpu_count() or 1) if on_cpu(cfg) and cfg.engine == "transformers" and world()[1] == 1 else 1
+        local_cpu = device_of(cfg) == "cpu" and cfg.engine == "transformers" and world()[1] == 1
+        return (os.cpu_count() or 1) if local_cpu else 1
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"workers must be an int >= 1 or 'auto', got {workers!r}")
     if workers > 1 and (cfg.engine != "transformers" or world()[1] > 1):
         raise ValueError("workers > 1 needs the embedded engine (engine: transformers) and a single process "
                          f"(got engine {cfg.engine!r}, world size {world()[1]})")
     return workers
-
-
-def on_cpu(cfg: TrainConfig) -> bool:
-    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
 
 
 def _run_jobs(jobs, workers, cfg, local):
@@ -138,7 +135,7 @@ def _run_jobs(jobs, workers, cfg, local):
     n = min(workers, len(jobs))
     threads = cfg.threads if isinstance(cfg.threads, int) and cfg.threads > 0 else max(1, (os.cpu_count() or 1) // n)
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
-                             initargs=(threads, on_cpu(cfg))) as pool:
+                             initargs=(threads, device_of(cfg) == "cpu")) as pool:
         futures = [pool.submit(fn, *args, progress=local["progress"], position=i) for i, (fn, args) in enumerate(jobs)]
         for f in as_completed(futures):
             yield f.result()

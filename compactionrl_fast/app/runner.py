@@ -182,11 +182,16 @@ def summary_recall(rollouts) -> float | None:
 # `python -m compactionrl_fast train` (single process or torchrun)
 
 
+def device_of(cfg: TrainConfig) -> str:
+    """cfg.device resolved: "cuda" or "cpu" ("auto": CUDA where available)."""
+    return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def _init_distributed(cfg: TrainConfig):
     import torch.distributed as dist
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        cuda = device_of(cfg) == "cuda"
         dist.init_process_group("nccl" if cuda else "gloo")
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -197,7 +202,7 @@ def train(cfg: TrainConfig, *, resume: bool = True):
     tuner = make_tuner(cfg.threads)
     _init_distributed(cfg)
     rank, _ = world()
-    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    device = device_of(cfg)
     if device == "cpu":
         keep_freed_memory()
     tok, make_envs, rcfg = task(cfg)

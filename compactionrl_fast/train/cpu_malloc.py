@@ -2,10 +2,10 @@
 
 A training step on CPU allocates activations of a few MB ([rows, width, MLP width] float32) and frees them
 at the backward. glibc serves blocks above its mmap threshold (dynamic, at most 32 MiB) with fresh mmaps and
-gives them back at free, and trims the heap top, so every pass faults its pages in again. Fixed thresholds (`keep_freed_memory`, at the
-start of each training process on CPU) stop that. Same kernels in the same order: no number changes. The cost:
-freed memory stays in the process, up to its peak. Measured on the demo: benchmarks/results/
-demo-speed-experiments.md, "Allocator".
+gives them back at free, and trims the heap top, so every pass faults its pages in again. Fixed thresholds
+(`keep_freed_memory`, at the start of each training process on CPU) stop that. Same kernels in the same
+order: no number changes. The cost: freed memory stays in the process, up to its peak. Measured on the demo:
+benchmarks/results/demo-speed-experiments.md, "Allocator".
 """
 from __future__ import annotations
 

@@ -66,6 +66,24 @@ def _varlen(seed=0, lens=(7, 0, 1, 12, 30, 3, 1, 9)):
     return ids, pos, cu, g
 
 
+def _assert_at_positions_equal_full(model, ids, pos, cu, p, g, *more):
+    """packed_hidden(positions=p) (and with each of `more`'s keyword sets) equals packed_hidden()[p] in float64:
+    the hidden states and every parameter's gradient under a random weighting drawn from `g`."""
+    w = torch.randn(p.numel(), model.config.hidden_size, generator=g, dtype=torch.float64)
+    out = []
+    for kw in (dict(), dict(positions=p), *more):
+        model.zero_grad()
+        h = packed_hidden(model, ids, pos, cu, **kw)
+        h = h[p] if not kw else h
+        (h * w).sum().backward()
+        out.append((h.detach(), [q.grad.clone() for q in model.parameters() if q.grad is not None]))
+    for h, grads in out[1:]:
+        torch.testing.assert_close(h, out[0][0], rtol=1e-12, atol=1e-12)
+        assert len(grads) == len(out[0][1])
+        for a, b in zip(grads, out[0][1]):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("layers", [1, 2])
 def test_hidden_at_positions_equals_the_full_forward_float64(arch, layers):
@@ -79,19 +97,7 @@ def test_hidden_at_positions_equals_the_full_forward_float64(arch, layers):
         ids, pos, cu, g = _varlen()
         p = torch.tensor([0, 6, 8, 14, 19, 20, 35, 49, 50, 51, 54, 62])[torch.randperm(12, generator=g)]
         assert len(forward_tables(cu)) > 1 and all(int(cu[i]) not in p.tolist() for i in (2, 6))  # 1-token rows
-        w = torch.randn(p.numel(), 16, generator=g, dtype=torch.float64)
-        out = []
-        for kw in (dict(), dict(positions=p), dict(positions=p, tables=forward_tables(cu, 0.8, p))):
-            model.zero_grad()
-            h = packed_hidden(model, ids, pos, cu, **kw)
-            h = h[p] if not kw else h
-            (h * w).sum().backward()
-            out.append((h.detach(), [q.grad.clone() for q in model.parameters() if q.grad is not None]))
-        for h, grads in out[1:]:
-            torch.testing.assert_close(h, out[0][0], rtol=1e-12, atol=1e-12)
-            assert len(grads) == len(out[0][1])
-            for a, b in zip(grads, out[0][1]):
-                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        _assert_at_positions_equal_full(model, ids, pos, cu, p, g, dict(positions=p, tables=forward_tables(cu, 0.8, p)))
 
 
 def test_the_last_layers_mlp_runs_only_at_the_positions():
@@ -138,17 +144,7 @@ def test_hidden_at_positions_for_other_attention_layouts_float64(variant):
         == (variant == "sliding")
     ids, pos, cu, g = _varlen(3)
     p = torch.tensor([0, 6, 8, 14, 19, 20, 35, 49, 50, 51, 54, 62])[torch.randperm(12, generator=g)]
-    w = torch.randn(p.numel(), 16, generator=g, dtype=torch.float64)
-    out = []
-    for kw in (dict(), dict(positions=p)):
-        actor.zero_grad()
-        h = packed_hidden(actor, ids, pos, cu, **kw)
-        h = h[p] if not kw else h
-        (h * w).sum().backward()
-        out.append((h.detach(), [q.grad.clone() for q in actor.parameters() if q.grad is not None]))
-    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-12, atol=1e-12)
-    for a, b in zip(out[1][1], out[0][1], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    _assert_at_positions_equal_full(actor, ids, pos, cu, p, g)
 
 
 def test_tables_without_positions_are_refused_for_a_forward_at_positions():

@@ -10,6 +10,9 @@ short SFT, every update with the demo's 3 epochs, `train_step` as the trainer ru
 actor and critic each call, variants round-robin, medians), the step with it against the full forward then
 the selection (what packed_hidden did before); also the largest difference of the hidden states between the
 two on the first micro-batches (float32 rounding: the MLP's matmuls see fewer rows).
+
+Third variant, "all queries": the positions' forward with the last layer's queries and attention on every
+position (tables without qcol, as packed_hidden ran from ad6e6cc until its queries were selected too).
 """
 import argparse
 import copy
@@ -41,6 +44,18 @@ def full_critic_hidden(critic, batch, idx, tables=None):
     return M.packed_hidden(critic, batch.input_ids, batch.position_ids, batch.cu_attn, tables=tables)[idx - 1]
 
 
+def _all_queries(tables):
+    return [b._replace(qcol=None, qflat=None) for b in tables]
+
+
+def all_queries_actor_logprobs(actor, batch, idx, *, tables=None, **kw):
+    return M.actor_logprobs(actor, batch, idx, tables=_all_queries(tables), **kw)
+
+
+def all_queries_critic_hidden(critic, batch, idx, tables=None):
+    return M.critic_hidden(critic, batch, idx, tables=_all_queries(tables))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sft-steps", type=int, default=30)
@@ -56,6 +71,7 @@ def main():
             at = M.packed_hidden(actor, b.input_ids, b.position_ids, b.cu_attn, positions=m.idx - 1, tables=m.tables)
             diff = max(diff, float((full - at).abs().max()))
     variants = {"full forward": (full_actor_logprobs, full_critic_hidden),
+                "all queries": (all_queries_actor_logprobs, all_queries_critic_hidden),
                 "at positions": (TR.actor_logprobs, TR.critic_hidden)}
 
     def run(k):
@@ -76,7 +92,9 @@ def main():
     T = sum(m.batch.input_ids.numel() for m in mbs)
     isa = os.environ.get("ATEN_CPU_CAPABILITY", "native")
     print(f"{isa}: 2 PPO steps (3 epochs), median of {a.reps}: full forward {med['full forward']:.2f} s, "
-          f"at positions {med['at positions']:.2f} s ({med['full forward'] / med['at positions']:.3f}x); "
+          f"all queries {med['all queries']:.2f} s, at positions {med['at positions']:.2f} s "
+          f"({med['full forward'] / med['at positions']:.3f}x the full forward, "
+          f"{med['all queries'] / med['at positions']:.3f}x all queries); "
           f"N / T = {n} / {T}; hidden states' largest difference {diff:.1e}; load {load()}")
 
 

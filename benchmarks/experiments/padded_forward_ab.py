@@ -28,7 +28,7 @@ from compactionrl_fast.train.trainer import make_state, train_step  # noqa: E402
 def capped(tables, cap):
     """The buckets of `tables` split into calls of at most `cap` padded tokens (rows * width)."""
     out = []
-    for seq, col, tok, mask, keep, slot in tables:
+    for seq, col, tok, mask, keep, slot, *_ in tables:
         A, L = mask.shape
         rows = max(1, cap // L)
         at = None if keep is None else torch.full_like(tok, -1).index_put_((keep,), slot)  # slot of each token

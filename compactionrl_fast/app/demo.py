@@ -35,12 +35,13 @@ def demo_config(**overrides) -> TrainConfig:
     """The CPU demo (docs/demo.md): tiny model, SFT warm start on an expert whose summaries
     drop the oldest digit 60% of the time, then 120 PPO steps of 64 rollouts in 2 actor mini-batches (one pass
     over each batch for the first 40 updates, three after), adaptive lambda with alpha 4, critic lr 1e-3, actor
-    lr 6e-4 with a cosine decay to 6e-5 (benchmarks/results/demo_recipe_retune.md and demo_margin_5seeds.md: why)."""
+    lr 6e-4 with a cosine decay to 6e-5, Adam beta2 0.99 (benchmarks/results/demo_recipe_retune.md,
+    demo_margin_5seeds.md and demo_beta2.md: why)."""
     cfg = TrainConfig(
         # "auto": 2 threads are ~1.65x faster on the idle 2-core machine, 2-7x slower when it is shared
         run_dir="runs/demo", threads="auto", rollouts_per_step=64, ppo_minibatches=2, steps=120, value_pretrain_steps=10,
         actor_lr=6e-4, lr_schedule="cosine", lr_end_ratio=0.1, critic_lr=1e-3, clip_high=0.2, max_grad_norm=1.0,
-        adaptive_alpha=4.0, ppo_epochs=3, ppo_epochs_from=40,
+        adaptive_alpha=4.0, ppo_epochs=3, ppo_epochs_from=40, adam_betas=(0.9, 0.99),
         micro_batch_tokens=1 << 30, gap_every=10, checkpoint_every=0,
         sft=SFTConfig(steps=1000, rollouts_per_step=16, lr=2e-3, expert_drop_p=0.6),
     )

@@ -106,6 +106,8 @@ class MicroBatch:
         def move(x):
             if isinstance(x, torch.Tensor):
                 return fn(x)
+            if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple (model.Bucket)
+                return type(x)(*(move(y) for y in x))
             if isinstance(x, (list, tuple)):
                 return type(x)(move(y) for y in x)
             if isinstance(x, dict):

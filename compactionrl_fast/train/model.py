@@ -12,6 +12,7 @@ sequence (the state before the action), so only trainable tokens are ever sent t
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -118,20 +119,21 @@ def packed_hidden(model, input_ids, position_ids, cu_attn, *, positions=None, pa
         return _decoder_at(dec, torch.zeros_like(positions), positions, **inputs)
     n_out = T if positions is None else positions.numel()
     out = None
-    for seq, col, tok, mask, keep, slot in forward_tables(cu_attn, pad_ratio, positions) if tables is None else tables:
-        if positions is not None and keep is None:
+    for b in forward_tables(cu_attn, pad_ratio, positions) if tables is None else tables:
+        if positions is not None and b.keep is None:
             raise ValueError("packed_hidden: `tables` were built without positions; build them with "
                              "forward_tables(cu_attn, pad_ratio, positions)")
-        if positions is not None and keep.numel() == 0:  # no wanted position in this bucket (a host-known shape)
+        if positions is not None and b.keep.numel() == 0:  # no wanted position in this bucket (a host-known shape)
             continue
-        A, L = mask.shape
-        ids = input_ids.new_zeros(A, L).index_put_((seq, col), input_ids[tok])
-        pos = position_ids.new_zeros(A, L).index_put_((seq, col), position_ids[tok])
-        inputs = dict(input_ids=ids, attention_mask=mask, position_ids=pos)
+        A, L = b.mask.shape
+        ids = input_ids.new_zeros(A, L).index_put_((b.seq, b.col), input_ids[b.tok])
+        pos = position_ids.new_zeros(A, L).index_put_((b.seq, b.col), position_ids[b.tok])
+        inputs = dict(input_ids=ids, attention_mask=b.mask, position_ids=pos)
         if positions is None:
-            h, dst = dec(**inputs, use_cache=False).last_hidden_state[seq, col], tok
+            h, dst = dec(**inputs, use_cache=False).last_hidden_state[b.seq, b.col], b.tok
         else:
-            h, dst = _decoder_at(dec, seq[keep], col[keep], **inputs), slot
+            queries = None if b.qcol is None else (b.qcol, b.qflat)
+            h, dst = _decoder_at(dec, b.seq[b.keep], b.col[b.keep], queries=queries, **inputs), b.slot
         if out is None:
             out = h.new_zeros(n_out, h.shape[-1])
         out = out.index_copy(0, dst, h)
@@ -146,13 +148,15 @@ class _LastLayerInputs(Exception):
 _PRE_NORM_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
 
 
-def _decoder_at(dec, seq, col, **inputs):
+def _decoder_at(dec, seq, col, queries=None, **inputs):
     """Hidden states [n, H] at (seq [n], col [n]) of the decoder's output on the HF `inputs` ([rows, width]).
 
     The heads read a few positions (the states before trainable tokens), and only the last layer's keys and
     values need every position. So HF runs every layer but the last (its mask and rotary embeddings as it builds
-    them, captured at the last layer's call), the last layer's attention runs on every position, and its residual
-    MLP and the final norm only at (seq, col). Other decoder layers: the full forward, then the selection."""
+    them, captured at the last layer's call), and the last layer computes its keys and values at every position
+    but its queries, attention, residual MLP and final norm only at (seq, col) (`_attention_at`; with
+    `queries` = (qcol [rows, Q], qflat [n]) of `forward_tables` and SDPA attention, else its attention runs on
+    every position). Other decoder layers: the full forward, then the selection."""
     last = dec.layers[-1]
     if type(last).__name__ not in _PRE_NORM_LAYERS:
         return dec(**inputs, use_cache=False).last_hidden_state[seq, col]
@@ -169,19 +173,72 @@ def _decoder_at(dec, seq, col, **inputs):
     finally:
         handle.remove()
     h = args[0] if args else kwargs.pop("hidden_states")
-    # the layer hands its keyword arguments (mask, rotary embeddings, position ids, cache) to its attention
-    a = last.self_attn(hidden_states=last.input_layernorm(h), **kwargs)[0]
-    r = h[seq, col] + a[seq, col]
+    x = last.input_layernorm(h)
+    attn = last.self_attn
+    if queries is not None and _selectable(attn):
+        a = _attention_at(attn, x, kwargs["position_embeddings"], *queries)
+    else:  # the layer hands its keyword arguments (mask, rotary embeddings, position ids, cache) to its attention
+        a = attn(hidden_states=x, **kwargs)[0][seq, col]
+    r = h[seq, col] + a
     return dec.norm(r + last.mlp(last.post_attention_layernorm(r)))
 
 
+def _selectable(attn) -> bool:
+    """Whether `_attention_at` computes what this Llama/Qwen2 attention does: SDPA, a full (not sliding-window)
+    causal window."""
+    return attn.config._attn_implementation == "sdpa" and not getattr(attn, "sliding_window", None)
+
+
+def _attention_at(attn, x, position_embeddings, qcol, qflat):
+    """The attention block's output [n, H] (after o_proj) at the queries (row a, column qcol[a, j]) picked by
+    `qflat` [n] (flat indices into [rows, Q]), with keys and values at every position of `x` [rows, L, H]:
+    what `attn(x)[seq, col]` gives, with the queries' projections and attention on n + padding rows, not
+    rows x L. `position_embeddings`: (cos, sin) [rows, L, head_dim] as HF built them. Padding entries of qcol
+    (0) are real queries whose output is dropped."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    A, L, _ = x.shape
+    Q, d = qcol.shape[1], attn.head_dim
+    rows = torch.arange(A, device=x.device)[:, None]
+    cos, sin = position_embeddings
+    q = _rope(attn.q_proj(x[rows, qcol]).view(A, Q, -1, d).transpose(1, 2), cos[rows, qcol], sin[rows, qcol])
+    k = _rope(attn.k_proj(x).view(A, L, -1, d).transpose(1, 2), cos, sin)
+    v = attn.v_proj(x).view(A, L, -1, d).transpose(1, 2)
+    # causal within the row: HF's mask at these query rows (a row's padding comes after its real tokens)
+    mask = torch.arange(L, device=x.device) <= qcol[..., None]
+    o, _ = sdpa_attention_forward(attn, q, k, v, mask[:, None], scaling=attn.scaling,
+                                  dropout=attn.attention_dropout if attn.training else 0.0)
+    return attn.o_proj(o.reshape(A * Q, -1)[qflat])
+
+
+def _rope(x, cos, sin):
+    """Rotary embedding of x [rows, heads, L, d] with cos, sin [rows, L, d], as HF's apply_rotary_pos_emb."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Bucket(NamedTuple):
+    """One call of the padded forward (`forward_tables`): its n tokens go to (seq [n], col [n]) of the padded
+    [rows, width] input, from packed positions tok [n]; mask [rows, width] int64 (1: a real token). With
+    positions: keep [m] (the bucket's tokens among them, indices into its n, in (row, column) order), slot [m]
+    (their places in `positions`), and the queries of the last layer laid out by row: qcol [rows, Q] (their
+    columns, 0 past a row's count), qflat [m] (their flat indices into [rows, Q]); else these are None."""
+    seq: torch.Tensor
+    col: torch.Tensor
+    tok: torch.Tensor
+    mask: torch.Tensor
+    keep: Optional[torch.Tensor] = None
+    slot: Optional[torch.Tensor] = None
+    qcol: Optional[torch.Tensor] = None
+    qflat: Optional[torch.Tensor] = None
+
+
 def forward_tables(cu_attn, pad_ratio=0.8, positions=None) -> list:
-    """The padded forward's index tables of the attention sequences `cu_attn` [A+1]: one (seq [n], col [n],
-    tok [n], attention mask [rows, width] int64, keep [m], slot [m]) per bucket; the bucket's n tokens go to
-    (seq, col) of the padded [rows, width] input, from packed positions tok. With `positions` [N] (the packed
-    positions whose hidden states are wanted), keep are the bucket's tokens among them (indices into its n) and
-    slot their places in `positions`; else both None. Empty sequences are left out (they would give fully
-    masked rows). Reads cu_attn and positions on the host: build them where they live there."""
+    """The padded forward's index tables of the attention sequences `cu_attn` [A+1]: one `Bucket` per call.
+    `positions` [N]: the packed positions whose hidden states are wanted (None: all). Empty sequences are left
+    out (they would give fully masked rows). Reads cu_attn and positions on the host: build them where they
+    live there."""
     lens = cu_attn.diff().long()
     order = torch.argsort(lens, descending=True, stable=True)
     order = order[lens[order] > 0]
@@ -198,11 +255,16 @@ def forward_tables(cu_attn, pad_ratio=0.8, positions=None) -> list:
         col = torch.arange(n, device=dev) - (torch.cumsum(ln, 0) - ln)[seq]
         mask = torch.zeros(A, L, dtype=torch.long, device=dev).index_put_((seq, col), torch.ones_like(col))
         tok = starts[seq] + col
-        keep = slot = None
-        if positions is not None:
-            keep = (at[tok] >= 0).nonzero()[:, 0]
-            slot = at[tok[keep]]
-        out.append((seq, col, tok, mask, keep, slot))
+        if positions is None:
+            out.append(Bucket(seq, col, tok, mask))
+            continue
+        keep = (at[tok] >= 0).nonzero()[:, 0]
+        row = seq[keep]  # ascending: the bucket's tokens are in (row, column) order
+        count = torch.bincount(row, minlength=A)
+        Q = int(count.max()) if keep.numel() else 0
+        qflat = row * Q + torch.arange(keep.numel(), device=dev) - (torch.cumsum(count, 0) - count)[row]
+        qcol = torch.zeros(A * Q, dtype=torch.long, device=dev).index_put_((qflat,), col[keep]).view(A, Q)
+        out.append(Bucket(seq, col, tok, mask, keep, at[tok[keep]], qcol, qflat))
     return out
 
 

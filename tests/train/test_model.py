@@ -100,34 +100,44 @@ def test_hidden_at_positions_equals_the_full_forward_float64(arch, layers):
         _assert_at_positions_equal_full(model, ids, pos, cu, p, g, dict(positions=p, tables=forward_tables(cu, 0.8, p)))
 
 
-def test_the_last_layers_mlp_runs_only_at_the_positions():
-    """What makes the forward at positions cheaper: the last layer's MLP sees N rows, not every padded token;
-    a decoder layer of unknown structure runs whole (same numbers)."""
+def test_the_last_layers_queries_and_mlp_run_only_at_the_positions():
+    """What makes the forward at positions cheaper: the last layer's MLP sees N rows and its query projection
+    N + padding rows (by row), not every padded token, while its keys see every token; a decoder layer of unknown
+    structure runs whole (same numbers)."""
     torch.manual_seed(0)
     actor = build_actor(ModelConfig(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
                                     max_positions=64), 34)
     ids, pos, cu, _ = _varlen()
     p = torch.tensor([3, 9, 20, 40, 45])
-    seen = []
-    hook = actor.get_decoder().layers[-1].mlp.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[:-1]))
+    last = actor.get_decoder().layers[-1]
+    seen = {"mlp": [], "q": [], "k": []}
+    hooks = [getattr(last, path[0]).get_submodule(path[1]).register_forward_hook(
+        lambda m, a, o, key=key: seen[key].append(a[0].shape[:-1]))
+        for key, path in (("mlp", ("mlp", "")), ("q", ("self_attn", "q_proj")), ("k", ("self_attn", "k_proj")))]
     try:
         h = packed_hidden(actor, ids, pos, cu, positions=p)
-        assert sum(s.numel() for s in seen) == p.numel()
-        seen.clear()
+        rows = lambda key: sum(s.numel() for s in seen[key])  # noqa: E731
+        tables = forward_tables(cu, 0.8, p)
+        padded = sum(b.mask.numel() for b in tables if b.keep.numel())
+        assert rows("mlp") == p.numel()
+        assert rows("q") == sum(b.qcol.numel() for b in tables) < padded and rows("k") == padded
+        for v in seen.values():
+            v.clear()
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(M, "_PRE_NORM_LAYERS", ())
             whole = packed_hidden(actor, ids, pos, cu, positions=p)
-        assert sum(s.numel() for s in seen) > 2 * p.numel()  # every padded token of the buckets it reads
+        assert rows("mlp") > 2 * p.numel() and rows("q") == rows("k")  # every padded token of the buckets it reads
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     torch.testing.assert_close(whole, h, rtol=1e-5, atol=1e-6)
     assert packed_hidden(actor, ids, pos, cu, positions=p[:0]).shape == (0, 16)
 
 
 @pytest.mark.parametrize("variant", ["gqa", "eager", "sliding"])
 def test_hidden_at_positions_for_other_attention_layouts_float64(variant):
-    """Grouped keys and values (GQA), eager attention and a Qwen2 sliding window (the last layer's attention gets
-    HF's own mask and rotary embeddings): the forward at positions equals the full forward."""
+    """Grouped keys and values (GQA) go through the selected queries too; eager attention and a Qwen2 sliding
+    window run the last layer's attention on every position (`_selectable`): all equal the full forward."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     torch.manual_seed(2)
@@ -139,9 +149,8 @@ def test_hidden_at_positions_for_other_attention_layouts_float64(variant):
         cfg = LlamaConfig(**kw)
     actor = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager" if variant == "eager" else "sdpa")
     actor = actor.double()
-    attn = actor.get_decoder().layers[-1].self_attn
-    assert (attn.num_key_value_groups > 1) == (variant == "gqa") and bool(getattr(attn, "sliding_window", None)) \
-        == (variant == "sliding")
+    selectable = M._selectable(actor.get_decoder().layers[-1].self_attn)
+    assert selectable == (variant == "gqa")
     ids, pos, cu, g = _varlen(3)
     p = torch.tensor([0, 6, 8, 14, 19, 20, 35, 49, 50, 51, 54, 62])[torch.randperm(12, generator=g)]
     _assert_at_positions_equal_full(actor, ids, pos, cu, p, g)

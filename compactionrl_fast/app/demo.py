@@ -26,7 +26,7 @@ from ..train.config import SFTConfig, TrainConfig
 from ..train.config_load import to_dict, update
 from ..train.engines import make_engine
 from ..train.cpu_malloc import keep_freed_memory
-from ..train.threads import make_tuner
+from ..train.threads import SharedThreads, make_tuner
 from ..train.dist import world
 from ..train.log import MetricsLog
 
@@ -57,8 +57,10 @@ def run(cfg: TrainConfig, *, seeds=(0,), ablation_seeds=(0,), eval_rollouts=512,
     Two phases: SFT (and its evaluation) of every seed, then every RL run (CompactionRL, and the ablation on
     `ablation_seeds`) from its seed's SFT weights, each with its evaluation. `workers` > 1 runs the jobs of a
     phase in that many processes at once (each with cores // workers torch threads unless cfg.threads is a
-    number); "auto": one per core on CPU with the embedded engine, else 1. A job's numbers do not depend on
-    where it runs, only (by rounding) on its thread count."""
+    number; with threads "auto" the jobs still running share the cores the finished ones free, so the last
+    takes them all); "auto": one per core on CPU with the embedded engine, else 1. A job's numbers do not
+    depend on where it runs, only (by rounding) on its thread count at each step: with a number for
+    cfg.threads every job is bitwise reproducible at 1 thread, with "auto" the steps after a switch are not."""
     from .plots import plot_run
 
     out_dir = out_dir or cfg.run_dir
@@ -133,12 +135,19 @@ def _run_jobs(jobs, workers, cfg, local):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    n = min(workers, len(jobs))
-    threads = cfg.threads if isinstance(cfg.threads, int) and cfg.threads > 0 else max(1, (os.cpu_count() or 1) // n)
-    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
-                             initargs=(threads, device_of(cfg) == "cpu")) as pool:
-        futures = [pool.submit(fn, *args, progress=local["progress"], position=i) for i, (fn, args) in enumerate(jobs)]
+    n, cores = min(workers, len(jobs)), os.cpu_count() or 1
+    threads = cfg.threads if isinstance(cfg.threads, int) and cfg.threads > 0 else max(1, cores // n)
+    ctx = multiprocessing.get_context("spawn")
+    # threads "auto": the jobs still running share the cores, so the last one (often the ablation) takes them all
+    share = ctx.Value("i", threads) if cfg.threads == "auto" else None
+    with ProcessPoolExecutor(n, mp_context=ctx, initializer=_worker_init,
+                             initargs=(threads, device_of(cfg) == "cpu", share)) as pool:
+        futures = [pool.submit(_worker_job, fn, args, local["progress"], i) for i, (fn, args) in enumerate(jobs)]
+        running = len(futures)
         for f in as_completed(futures):
+            running -= 1
+            if share is not None and 0 < running < n:
+                share.value = max(threads, cores // running)
             yield f.result()
 
 
@@ -150,10 +159,20 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _worker_init(threads: int, cpu: bool = False):
+_SHARED_THREADS = None  # a spawned worker's SharedThreads (threads "auto"), set by _worker_init
+
+
+def _worker_init(threads: int, cpu: bool = False, share=None):
+    global _SHARED_THREADS
     torch.set_num_threads(threads)
+    _SHARED_THREADS = SharedThreads(share) if share is not None else None
     if cpu:
         keep_freed_memory()
+
+
+def _worker_job(fn, args, progress, position):
+    """fn(*args) in a spawned worker, its training steps at the thread count the parent shares out (if any)."""
+    return fn(*args, progress=progress, position=position, tuner=_SHARED_THREADS)
 
 
 def _sft_weights(cfg: TrainConfig, seed: int) -> str:

@@ -82,6 +82,23 @@ class ThreadTuner:
                 self.history.append((self._last, fastest, self.best))
 
 
+class SharedThreads:
+    """The thread count of one of several job processes, read before each step from `value` (a
+    multiprocessing.Value that the parent sets to cores // jobs still running), so that the job left running
+    last takes the cores the others freed. `with shared.step() as n:` like ThreadTuner. The count a step runs
+    at then depends on when the other jobs end, so such a job is not bitwise reproducible (as with the tuner)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    @contextmanager
+    def step(self):
+        n = max(1, int(self.value.value))
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        yield torch.get_num_threads()
+
+
 def make_tuner(threads) -> ThreadTuner | None:
     """A ThreadTuner for `threads="auto"`; otherwise set a fixed count (0: torch's default) and return None."""
     if threads == "auto":

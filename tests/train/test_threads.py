@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from compactionrl_fast.train.threads import ThreadTuner, make_tuner, maybe_step
+from compactionrl_fast.train.threads import SharedThreads, ThreadTuner, make_tuner, maybe_step
 
 
 def _run(tuner, cost, steps):
@@ -79,6 +79,58 @@ def _pass_differences() -> list:
     finally:
         torch.set_num_threads(n)
     return [((a - c).abs().max() / c.abs().max()).item() for a, c in zip(out[1], out[2])]
+
+
+def test_shared_threads_follow_the_value_before_each_step():
+    import multiprocessing
+
+    before = torch.get_num_threads()
+    value = multiprocessing.get_context("spawn").Value("i", 1)
+    shared = SharedThreads(value)
+    try:
+        with maybe_step(shared) as n:
+            assert n == torch.get_num_threads() == 1
+        value.value = 2
+        with shared.step() as n:
+            assert n == torch.get_num_threads() == 2
+        value.value = 0  # never below one thread
+        with shared.step() as n:
+            assert n == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def _short_job(*, progress, position, tuner):
+    return ("short", [tuner is None])
+
+
+def _last_job(*, progress, position, tuner):
+    """Steps until the parent hands this job every core (or 60 s pass); -> the thread count of each step."""
+    seen, end = [], time.time() + 60
+    while time.time() < end:
+        with maybe_step(tuner) as n:
+            seen.append(n)
+        if tuner is None or n == (os.cpu_count() or 1):
+            break
+        time.sleep(0.02)
+    return ("last", seen)
+
+
+@pytest.mark.parametrize("threads", ["auto", 1])
+def test_demo_workers_hand_the_freed_cores_to_the_job_left_running(threads):
+    """With threads "auto" the demo's worker pool shares the cores among the jobs still running: once the short
+    job ends, the one left takes them all (a 2-core machine: 1 thread, then 2); a fixed count stays fixed."""
+    from compactionrl_fast.app import demo
+    from compactionrl_fast.train.config import TrainConfig
+
+    cfg = TrainConfig(threads=threads, device="cpu")
+    out = dict(demo._run_jobs([(_last_job, ()), (_short_job, ())], 2, cfg, {"progress": False}))
+    cores = os.cpu_count() or 1
+    if threads == "auto":
+        assert out["short"] == [False] and out["last"][-1] == cores
+        assert set(out["last"]) <= {max(1, cores // 2), cores}
+    else:
+        assert out == {"short": [True], "last": [1]}
 
 
 def test_one_and_two_threads_give_passes_equal_to_float32_rounding():

@@ -197,25 +197,21 @@ def _attention_at(attn, x, position_embeddings, qcol, qflat):
     (0) are real queries whose output is dropped."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from ..rollout.engines.lean_decoder import apply_rope
+
     A, L, _ = x.shape
     Q, d = qcol.shape[1], attn.head_dim
     rows = torch.arange(A, device=x.device)[:, None]
-    cos, sin = position_embeddings
-    q = _rope(attn.q_proj(x[rows, qcol]).view(A, Q, -1, d).transpose(1, 2), cos[rows, qcol], sin[rows, qcol])
-    k = _rope(attn.k_proj(x).view(A, L, -1, d).transpose(1, 2), cos, sin)
+    cos, sin = position_embeddings  # [rows, L, d]; unsqueeze(1): the same table for every head
+    q = apply_rope(attn.q_proj(x[rows, qcol]).view(A, Q, -1, d).transpose(1, 2), cos[rows, qcol].unsqueeze(1),
+                   sin[rows, qcol].unsqueeze(1))
+    k = apply_rope(attn.k_proj(x).view(A, L, -1, d).transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))
     v = attn.v_proj(x).view(A, L, -1, d).transpose(1, 2)
     # causal within the row: HF's mask at these query rows (a row's padding comes after its real tokens)
     mask = torch.arange(L, device=x.device) <= qcol[..., None]
     o, _ = sdpa_attention_forward(attn, q, k, v, mask[:, None], scaling=attn.scaling,
                                   dropout=attn.attention_dropout if attn.training else 0.0)
     return attn.o_proj(o.reshape(A * Q, -1)[qflat])
-
-
-def _rope(x, cos, sin):
-    """Rotary embedding of x [rows, heads, L, d] with cos, sin [rows, L, d], as HF's apply_rotary_pos_emb."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Bucket(NamedTuple):

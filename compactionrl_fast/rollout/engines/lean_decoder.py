@@ -67,6 +67,12 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+def apply_rope(x, cos, sin):
+    """Rotary embedding of x [..., L, d] with cos, sin broadcastable to it (HF's apply_rotary_pos_emb on one
+    tensor); also the training forward's (train/model.py: _attention_at)."""
+    return x * cos + _rotate_half(x) * sin
+
+
 def forward(model, ids, mask, pos, cache: KVCache, last_only: bool):
     """Logits of the last position [B, V] (last_only) or of every new position [B, S, V].
 
@@ -94,8 +100,7 @@ def forward(model, ids, mask, pos, cache: KVCache, last_only: bool):
         q = att.q_proj(x).view(B, S, n_heads, -1).transpose(1, 2)
         k = att.k_proj(x).view(B, S, cache.k[i].shape[1], -1).transpose(1, 2)
         v = att.v_proj(x).view(B, S, cache.k[i].shape[1], -1).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.k[i][:, :, L0:L] = k
         cache.v[i][:, :, L0:L] = v
         kk, vv = cache.k[i][:, :, :L], cache.v[i][:, :, :L]

@@ -46,6 +46,7 @@ import torch
 from ..ops import ppo_policy_loss
 from ..ops._mask import bool_mask_and_count
 from ..ops._validate import trusted_layout
+from ..ops.gae import _check_numbers
 from ._common import cfg_get, denominator_from, masked_whiten
 from .padded import as_bool_mask, flat, row_table, segment_gae_padded
 
@@ -56,12 +57,22 @@ GAE_DEFAULTS = dict(lam="adaptive", cross_segment="paper", lam_critic=1.0, adapt
 
 
 def gae_options(config):
-    """segment_gae keyword arguments and adapter flags from verl's `algorithm` config."""
+    """segment_gae keyword arguments and adapter flags from verl's `algorithm` config.
+
+    Raises ValueError naming the full key (`algorithm.compaction_gae.lam`, ...) for a bad value."""
     sub = cfg_get(config, ADV_ESTIMATOR) or {}
     kw = {k: cfg_get(sub, k, v) for k, v in GAE_DEFAULTS.items()}
-    kw["gamma"] = float(cfg_get(config, "gamma", 1.0))
+    kw["gamma"] = cfg_get(config, "gamma", 1.0)
     if isinstance(kw["lam"], (int, float)) and not isinstance(kw["lam"], bool):
         kw["lam"] = float(kw["lam"])
+    try:
+        _check_numbers(0, torch.device("cpu"), **kw)
+    except (TypeError, ValueError) as e:  # the op's message starts with the argument's name
+        arg = next(k for k in ("adaptive_length", "adaptive_alpha", "lam_critic", "cross_segment", "gamma", "lam", "")
+                   if str(e).startswith(k))
+        key = "algorithm.gamma" if arg == "gamma" else f"algorithm.{ADV_ESTIMATOR}.{arg or '*'}"
+        raise ValueError(f"{key}: {e}") from None
+    kw["gamma"] = float(kw["gamma"])
     flags = dict(whiten=bool(cfg_get(sub, "whiten", False)),
                  rollout_id_key=cfg_get(sub, "rollout_id_key", "rollout_id"),
                  group_by_uid=bool(cfg_get(sub, "group_by_uid", True)))

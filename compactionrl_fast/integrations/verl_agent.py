@@ -87,13 +87,15 @@ def _seed(kwargs, key):
         raise ValueError(f"compaction.seed_key={key!r}: the sample's value {v!r} is not an integer") from None
 
 
-def segment_outputs(rollout, rollout_id, num_turns=0, metrics=None):
+def segment_outputs(rollout, rollout_id, num_turns=0, metrics=None, global_steps=(None, None)):
     """One AgentLoopOutput per segment of `rollout` that has a trainable token, in order.
 
     prompt_ids: the segment's tokens before its first sampled token; response_ids: the rest, with
     response_mask 1 on sampled tokens (observations and chat scaffolding 0) and the sampler's log-probs.
     The last output carries the reward (verl copies it onto the others). extra_fields: segment_index,
-    rollout_id, segment_kind, compactions, finish_reason, reward_extra_info (the environment's info).
+    rollout_id, segment_kind, compactions, finish_reason, reward_extra_info (the environment's info), and
+    what verl's own loops set: min_global_steps / max_global_steps (the first and last weight version the
+    rollout was sampled with; verl's metrics and staleness control read them), turn_scores, tool_rewards.
     """
     segs = [s for s in rollout.segments if any(s.loss_mask)]
     outs = []
@@ -106,7 +108,8 @@ def segment_outputs(rollout, rollout_id, num_turns=0, metrics=None):
             reward_score=float(rollout.reward) if i == len(segs) - 1 else None,
             extra_fields={"segment_index": i, "rollout_id": rollout_id, "segment_kind": s.kind,
                           "compactions": rollout.compactions, "finish_reason": rollout.finish_reason,
-                          "reward_extra_info": dict(rollout.info)}))
+                          "reward_extra_info": dict(rollout.info), "min_global_steps": global_steps[0],
+                          "max_global_steps": global_steps[1], "turn_scores": [], "tool_rewards": []}))
     return outs
 
 
@@ -129,4 +132,7 @@ class CompactionAgentLoop(AgentLoopBase):
         engine = ServerManagerEngine(self.server_manager, sampling_params, request_id=rollout_id)
         (rollout,) = await arun_rollouts(engine, [env], self.tokenizer, rcfg, seeds=[_seed(kwargs, seed_key)],
                                          chat=ChatFormat(self.tokenizer))
-        return segment_outputs(rollout, rollout_id, num_turns=2 * len(rollout.turns) + 1)
+        steps = engine.global_steps
+        if steps is None:  # a server that reports no weight version: the step the sample was drawn for
+            steps = (kwargs.get("global_steps"),) * 2
+        return segment_outputs(rollout, rollout_id, num_turns=2 * len(rollout.turns) + 1, global_steps=steps)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import place_final_rewards
+from ..ops import place_final_rewards, segment_params
 from ..ops._validate import trusted_layout
 from ..rollout.engines.base import Engine, Generation, caps_list
 from ._common import CRITIC_TARGETS, cfg_get, critic_returns, masked_whiten
@@ -117,6 +117,80 @@ def compaction_advantages(keys, token_level_scores, values, response_mask, confi
     return adv, ret
 
 
+def check_row_lengths(keys, response_lengths, **fields):
+    """ValueError naming the field and the row when a field's row has another length than its response.
+
+    Args:
+        keys: [B] batch keys. response_lengths: [B] ints. fields: name -> [B] ints (None: not checked).
+    verl stores rows unpadded; padding them to the batch width would hide a short row (its last tokens read
+    as 0), so the lengths are compared before."""
+    want = torch.as_tensor(response_lengths).long()
+    for name, lens in fields.items():
+        if lens is None:
+            continue
+        bad = (torch.as_tensor(lens).long() != want).nonzero()
+        if bad.numel():
+            b = int(bad[0])
+            raise ValueError(f"{name}: row {keys[b]!r} has {int(torch.as_tensor(lens)[b])} values for a response of "
+                             f"{int(want[b])} tokens; every per-token field must have its response's length")
+
+
+def compaction_metrics(keys, response_mask, extra_fields, config=None):
+    """The recipe's numbers for verl's metrics, as the paper tracks them (its Figures 3-4).
+
+    Args:
+        keys: [B] batch keys `{uid}_{session}_{index}`. response_mask: [B, L] 0/1.
+        extra_fields: [B] dicts of the rows (`segment_kind`, `compactions`, `finish_reason`; padding rows
+            without them are skipped).
+        config: verl's `algorithm` config (the cross-segment scale uses its gamma and lambda).
+    Returns a dict of floats under `compaction/`: per rollout, compactions, segments and summary tokens
+    (mean, max); trainable tokens per segment of each kind (mean) and their share; the cross-segment scale
+    `(gamma*lam)^N_later` of each segment (mean, min; 1 with cross_segment none/stitched); the fraction of
+    rollouts with each finish reason."""
+    mask = as_bool_mask("response_mask", response_mask)
+    real = [i for i, e in enumerate(extra_fields) if isinstance(e, dict) and "segment_kind" in e]
+    if not real:
+        return {}
+    keys = [keys[i] for i in real]
+    extra = [extra_fields[i] for i in real]
+    mask = mask[torch.tensor(real)]
+    ids, pos = session_rows(keys)
+    B, L = mask.shape
+    table = row_table(B, L, ids, pos, mask.device)
+    order = list(table.order)
+    n_tok = mask.sum(-1).tolist()
+    kw, _ = compaction_options(config)
+    mask_o = mask.index_select(0, torch.tensor(order)).reshape(B * L)
+    scale = segment_params(mask_o, table.cu_seqlens, table.cu_segments, **kw)[2]  # [B] segments in order
+    first = table.cu_segments[:-1].tolist()  # each rollout's first row, in segment order
+    ends = table.cu_segments[1:].tolist()
+    rollouts = [[order[j] for j in range(a, b)] for a, b in zip(first, ends)]
+    out = {}
+
+    def stat(name, xs):
+        xs = [float(x) for x in xs]
+        if xs:
+            out[f"compaction/{name}/mean"] = sum(xs) / len(xs)
+            out[f"compaction/{name}/max"] = max(xs)
+
+    stat("compactions_per_rollout", [extra[r[-1]]["compactions"] for r in rollouts])
+    stat("segments_per_rollout", [len(r) for r in rollouts])
+    stat("summary_tokens_per_rollout", [sum(n_tok[i] for i in r if extra[i]["segment_kind"] == "summary")
+                                        for r in rollouts])
+    total = sum(n_tok) or 1
+    for kind in sorted({e["segment_kind"] for e in extra}):
+        rows = [i for i, e in enumerate(extra) if e["segment_kind"] == kind]
+        out[f"compaction/trainable_tokens_per_segment/{kind}/mean"] = sum(n_tok[i] for i in rows) / len(rows)
+        out[f"compaction/trainable_tokens_share/{kind}"] = sum(n_tok[i] for i in rows) / total
+    out["compaction/cross_segment_scale/mean"] = float(scale.mean())
+    out["compaction/cross_segment_scale/min"] = float(scale.min())
+    reasons = [str(extra[r[-1]]["finish_reason"]) for r in rollouts]
+    for why in sorted(set(reasons)):
+        out[f"compaction/finish_reason/{why}"] = reasons.count(why) / len(reasons)
+    out["compaction/rollouts"] = float(len(rollouts))
+    return out
+
+
 class ServerManagerEngine(Engine):
     """An `Engine` over verl's `server_manager` (`LLMServerClient`): each prompt of a round is one
     `await server_manager.generate(request_id, prompt_ids=..., sampling_params=...)`, all of a round
@@ -136,6 +210,18 @@ class ServerManagerEngine(Engine):
         self.server_manager = server_manager
         self.sampling_params = dict(sampling_params or {})
         self.request_id = str(request_id)
+        self.global_steps = None  # (first, last) weight version the servers reported, over every call
+
+    def _saw_steps(self, extra):
+        """Track the weight versions (verl's `min_global_steps` / `max_global_steps`) of one server output."""
+        lo = extra.get("min_global_steps", extra.get("global_steps"))
+        hi = extra.get("max_global_steps", extra.get("global_steps"))
+        if lo is None or hi is None:
+            return
+        if self.global_steps is None:
+            self.global_steps = (int(lo), int(hi))
+        else:
+            self.global_steps = (min(self.global_steps[0], int(lo)), max(self.global_steps[1], int(hi)))
 
     def generate(self, prompts, max_new_tokens, *, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=None,
                  cache_keys=None):
@@ -160,6 +246,7 @@ class ServerManagerEngine(Engine):
             if lps is None or len(lps) != len(ids):
                 raise ValueError("server_manager.generate returned no per-token log_probs (or a wrong number); "
                                  "the compaction agent loop needs them (actor_rollout_ref.rollout.calculate_log_probs)")
+            self._saw_steps(getattr(out, "extra_fields", None) or {})
             stopped = bool(ids) and ids[-1] in stop_token_ids
             return Generation(ids, [float(x) for x in lps], "stop" if stopped else "length")
 

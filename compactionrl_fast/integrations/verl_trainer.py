@@ -14,10 +14,17 @@ import numpy as np
 from verl.trainer.ppo.v1 import trainer_base as tb  # its tq, DataProto and helpers, read at call time
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from .verl_compaction import compaction_advantages
+from .verl_compaction import check_row_lengths, compaction_advantages, compaction_metrics
 
 TRAINER_MODE = "compaction_sync"
 ESTIMATORS = ("gae", "compaction_gae")  # the critic-based estimators this mode stands in for
+
+
+def _row_lengths(t):
+    """[B] lengths of the rows of verl's unpadded (jagged nested) field; a padded [B, L] field: all L."""
+    if getattr(t, "is_nested", False):
+        return t.offsets().diff()
+    return [t.shape[-1]] * t.shape[0]
 
 
 class CompactionSyncTrainer(PPOTrainerSync):
@@ -40,12 +47,20 @@ class CompactionSyncTrainer(PPOTrainerSync):
         if str(algo.adv_estimator) not in ESTIMATORS:
             raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator!r} with trainer.v1.trainer_mode="
                              f"{TRAINER_MODE}: this mode computes the paper's GAE; set it to one of {ESTIMATORS}")
-        fields = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob", "values"]
+        fields = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob", "values",
+                  "extra_fields"]
         td = tb.tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         if "values" not in td.keys():
-            raise ValueError(f"trainer.v1.trainer_mode={TRAINER_MODE} needs the critic's values: set critic.enable=True")
+            raise ValueError(f"trainer.v1.trainer_mode={TRAINER_MODE} needs the critic's values: "
+                             "set critic.enable=True")
+        extra = td.pop("extra_fields").tolist() if "extra_fields" in td.keys() else [None] * len(batch)
+        # rows verl adds to fill data-parallel groups copy real rows' fields: not counted in the metrics
+        extra = [None if t.get("is_padding", False) else e for e, t in zip(extra, batch.tags)]
         response_mask = td["response_mask"]
+        check_row_lengths(list(batch.keys), _row_lengths(response_mask),
+                          **{f: _row_lengths(td[f]) for f in fields[2:-1] if f in td.keys()})
         data = tb.DataProto(batch=td.to_padded_tensor())
+        metrics.update(compaction_metrics(list(batch.keys), data.batch["response_mask"], extra, algo))
         data.batch["token_level_scores"] = data.batch["rm_scores"]
         data.non_tensor_batch["uid"] = np.array(data.batch.pop("uid").tolist(), dtype=object)
         if algo.use_kl_in_reward:

@@ -379,7 +379,8 @@ def test_gae_options_defaults_and_lam_types():
     kw, flags = V.gae_options({"compaction_gae": {"lam": 1, "rollout_id_key": "rid", "group_by_uid": False}})
     assert kw["lam"] == 1.0 and type(kw["lam"]) is float and flags["rollout_id_key"] == "rid"
     assert flags["group_by_uid"] is False
-    assert V.gae_options({"compaction_gae": {"lam": True}})[0]["lam"] is True  # left for segment_gae to refuse
+    with pytest.raises(ValueError, match=r"^algorithm\.compaction_gae\.lam: "):
+        V.gae_options({"compaction_gae": {"lam": True}})
 
 
 def test_compute_advantage_id_sources():

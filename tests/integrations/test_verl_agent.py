@@ -18,7 +18,8 @@ from compactionrl_fast.reference import gae as ref
 REASON = "verl's V1 path is not importable (`make test-integrations` installs verl and TransferQueue)"
 v1 = pytest.importorskip("verl.trainer.ppo.v1", reason=REASON)
 from compactionrl_fast.integrations import verl_plugin  # noqa: E402  (after the skip: imports verl)
-from compactionrl_fast.integrations.verl_compaction import compaction_advantages, session_rows  # noqa: E402
+from compactionrl_fast.integrations.verl_compaction import (compaction_advantages, compaction_metrics,  # noqa: E402
+                                                             session_rows)
 
 
 class MemoryTQ:
@@ -72,7 +73,9 @@ def _outputs(rng, n_out, reward):
         outs.append(AgentLoopOutput(prompt_ids=[5] * rng.randrange(1, 6), response_ids=[7] * L, response_mask=mask,
                                     response_logprobs=[-0.5] * L, metrics=AgentLoopMetrics(),
                                     reward_score=reward if i == n_out - 1 else None,
-                                    extra_fields={"reward_extra_info": {}}))
+                                    extra_fields={"reward_extra_info": {}, "compactions": n_out // 2,
+                                                  "segment_kind": "summary" if i % 2 else "exec",
+                                                  "finish_reason": "done"}))
     return outs
 
 
@@ -176,6 +179,37 @@ def test_trainer_mode_compute_advantage_on_verl_layout(tq, seed, sub):
         assert not row["advantages"][~m].any() and not row["returns"][~m].any()
 
 
+def test_trainer_mode_puts_the_recipe_numbers_into_verl_metrics(tq):
+    keys, _ = _verl_batch(tq, 4, prompts=4)
+    batch = v1.trainer_base.KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys))
+    metrics = {}
+    _trainer(_config())._compute_advantage(batch, metrics=metrics)
+    ids, _ = session_rows(keys)
+    per = [ids.count(r) for r in sorted(set(ids))]
+    assert metrics["compaction/rollouts"] == len(per)
+    assert metrics["compaction/segments_per_rollout/mean"] == pytest.approx(sum(per) / len(per))
+    assert metrics["compaction/compactions_per_rollout/max"] == max(per) // 2
+    assert metrics["compaction/finish_reason/done"] == 1.0
+    assert 0 < metrics["compaction/cross_segment_scale/min"] <= metrics["compaction/cross_segment_scale/mean"] <= 1
+    share = sum(v for k, v in metrics.items() if k.startswith("compaction/trainable_tokens_share/"))
+    assert share == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("field,delta", [("values", -1), ("values", 1), ("rm_scores", -1)])
+def test_trainer_mode_rejects_a_row_of_another_length(tq, field, delta):
+    """A row whose per-token field is shorter or longer than its response raises, also when the padded
+    batch would still line up (the longest row unchanged)."""
+    keys, _ = _verl_batch(tq, 6, prompts=2)
+    lens = {k: tq.rows[k]["response_mask"].numel() for k in keys}
+    k = min(keys, key=lens.get)
+    row = tq.rows[k]
+    row[field] = row[field][:-1] if delta < 0 else torch.cat([row[field], row[field][-1:]])
+    batch = v1.trainer_base.KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys))
+    want = rf"^{field}: row '{k}' has {lens[k] + delta} values for a response of {lens[k]} tokens"
+    with pytest.raises(ValueError, match=want):
+        _trainer(_config())._compute_advantage(batch, metrics={})
+
+
 def test_trainer_mode_with_kl_in_reward(tq):
     """verl's KL penalty (algorithm.use_kl_in_reward) stays per token; the reward is still counted once."""
     from verl.trainer.ppo import core_algos
@@ -216,17 +250,22 @@ def test_trainer_mode_keeps_sync_behaviour_and_corrected_target(tq):
 
 
 def test_padding_rows_get_zero(tq):
-    """verl's multi-output padding (upsample_batch_to_divisible_size: keys pad<hex>_<i>_0, mask 0)."""
+    """verl's multi-output padding (upsample_batch_to_divisible_size: keys pad<hex>_<i>_0, a response of one
+    token with mask 0, the first row's other fields, tag is_padding): zero advantages, not in the metrics."""
     keys, _ = _verl_batch(tq, 4, prompts=1)
     template = dict(tq.rows[keys[0]])
     for i in range(3):
         tq.rows[f"padabc_{i}_0"] = dict(template, response_mask=torch.zeros(1, dtype=torch.int64),
-                                        rm_scores=torch.zeros(1), values=torch.randn(1), uid="padabc")
+                                        rm_scores=torch.zeros(1), rollout_log_probs=torch.zeros(1),
+                                        old_log_probs=torch.randn(1), values=torch.randn(1), uid="padabc")
+    tags = [{}] * len(keys) + [{"is_padding": True}] * 3
     keys = keys + [f"padabc_{i}_0" for i in range(3)]
-    batch = v1.trainer_base.KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys))
-    _trainer(_config())._compute_advantage(batch, metrics={})
+    batch = v1.trainer_base.KVBatchMeta(partition_id="train", keys=keys, tags=tags)
+    metrics = {}
+    _trainer(_config())._compute_advantage(batch, metrics=metrics)
     for i in range(3):
         assert not tq.rows[f"padabc_{i}_0"]["advantages"].any()
+    assert metrics["compaction/rollouts"] == len(set(session_rows(keys[:-3])[0]))
 
 
 def test_old_adapter_on_v1_path_refuses(tq, monkeypatch):
@@ -282,6 +321,42 @@ def test_bad_input_names_the_key():
         compaction_advantages(["u_0_0", "u_0_1", "u_1_0"], s, torch.zeros(3, 5), m)
     with pytest.raises(ValueError, match="critic_target"):
         compaction_advantages(["u_0_0", "u_0_1", "u_1_0"], s, v, m, {"compaction_gae": {"critic_target": "x"}})
+    for key, bad in (("lam", "adaptiv"), ("lam", "Adaptive"), ("lam", 1.5), ("cross_segment", "papr"),
+                     ("adaptive_length", "x"), ("lam_critic", 2.0), ("adaptive_alpha", 0.0)):
+        with pytest.raises(ValueError, match=rf"^algorithm\.compaction_gae\.{key}: "):
+            compaction_advantages(["u_0_0", "u_0_1", "u_1_0"], s, v, m, {"compaction_gae": {key: bad}})
+    with pytest.raises(ValueError, match=r"^algorithm\.gamma: "):
+        compaction_advantages(["u_0_0", "u_0_1", "u_1_0"], s, v, m, {"gamma": 1.5})
+
+
+def test_compaction_metrics_by_hand():
+    """Two rollouts (exec 3, summary 2, exec 1 trainable tokens; exec 2), rows shuffled, one padding row,
+    lam 0.5: the cross-segment scales are 0.5^3, 0.5^1, 1 and 1."""
+    rows = {"a_0_0": (3, "exec"), "a_0_1": (2, "summary"), "a_0_2": (1, "exec"), "b_0_0": (2, "exec")}
+    keys = ["a_0_2", "b_0_0", "pad_0_0", "a_0_0", "a_0_1"]
+    mask = torch.zeros(5, 4)
+    extra = []
+    for i, k in enumerate(keys):
+        if k == "pad_0_0":
+            extra.append(None)
+            continue
+        n, kind = rows[k]
+        mask[i, 4 - n:] = 1  # trainable tokens at the end, an observation before
+        extra.append({"segment_kind": kind, "compactions": 1 if k[0] == "a" else 0,
+                      "finish_reason": "done" if k[0] == "a" else "truncated"})
+    m = compaction_metrics(keys, mask, extra, {"compaction_gae": {"lam": 0.5}})
+    want = {"compaction/rollouts": 2, "compaction/compactions_per_rollout/mean": 0.5,
+            "compaction/compactions_per_rollout/max": 1, "compaction/segments_per_rollout/mean": 2,
+            "compaction/segments_per_rollout/max": 3, "compaction/summary_tokens_per_rollout/mean": 1,
+            "compaction/summary_tokens_per_rollout/max": 2,
+            "compaction/trainable_tokens_per_segment/exec/mean": 2, "compaction/trainable_tokens_share/exec": 0.75,
+            "compaction/trainable_tokens_per_segment/summary/mean": 2,
+            "compaction/trainable_tokens_share/summary": 0.25,
+            "compaction/cross_segment_scale/mean": (0.125 + 0.5 + 1 + 1) / 4,
+            "compaction/cross_segment_scale/min": 0.125,
+            "compaction/finish_reason/done": 0.5, "compaction/finish_reason/truncated": 0.5}
+    assert m == pytest.approx(want)
+    assert compaction_metrics(keys, mask, [None] * 5) == {}
 
 
 def test_trainer_mode_rejects_other_estimators(tq):

@@ -24,15 +24,18 @@ ROLLOUT = dict(seed=11, max_turns=12)  # RolloutConfig fields on top of the memo
 class EngineServer:
     """verl's LLMServerClient.generate over our engine: one prompt per call, the request's seed and caps."""
 
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
+    def __init__(self, engine, versions=None):
+        self.engine, self.calls, self.versions = engine, [], versions  # versions: call -> weight version
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **_):
         self.calls.append((request_id, dict(sampling_params)))
         p = sampling_params
         (g,) = self.engine.generate([prompt_ids], p["max_tokens"], temperature=p["temperature"], top_p=p["top_p"],
                                     stop_token_ids=p["stop_token_ids"], seed=p.get("seed"))
-        return TokenOutput(token_ids=g.token_ids, log_probs=g.logprobs, stop_reason="completed")
+        # what verl's LLMServerClient returns: the server's weight version as the call's min and max
+        v = self.versions(len(self.calls)) if self.versions else None
+        extra = {} if v is None else {"global_steps": v, "min_global_steps": v, "max_global_steps": v}
+        return TokenOutput(token_ids=g.token_ids, log_probs=g.logprobs, stop_reason="completed", extra_fields=extra)
 
 
 def _config(use_v1=True, **compaction):
@@ -84,6 +87,20 @@ def test_agent_loop_through_verl_postprocess_equals_run_rollouts(engine, monkeyp
         assert float(row["rm_scores"].sum()) == want.reward  # verl copied the last output's reward
     assert {r for r, _ in server.calls} == {"p7_1-0"}  # one sticky session
     assert all(p["logprobs"] is True and "seed" in p for _, p in server.calls)
+
+
+@pytest.mark.parametrize("versions,want", [(lambda c: 3 if c <= 2 else 4, (3, 4)), (None, (5, 5))])
+def test_outputs_carry_the_weight_versions_verl_reads(engine, versions, want):
+    """Every output has verl's min_global_steps / max_global_steps (its metrics and staleness control read
+    them): the first and last weight version the servers reported over the rollout; without any, the
+    step the sample was drawn for. And the schema keys of verl's own loops."""
+    server = EngineServer(engine, versions)
+    outs = asyncio.run(_loop(_config(), server).run({"temperature": 1.0, "top_p": 1.0}, uid="p", session_id=0,
+                                                    index=3, global_steps=5))
+    assert len(server.calls) > 2 and len(outs) >= 2
+    for o in outs:
+        assert (o.extra_fields["min_global_steps"], o.extra_fields["max_global_steps"]) == want
+        assert o.extra_fields["turn_scores"] == [] and o.extra_fields["tool_rewards"] == []
 
 
 def test_engine_applies_caps_stops_and_verl_sampling(engine):

@@ -27,6 +27,17 @@ def _choice(key, v, choices):
     return v
 
 
+def _number(key, v, unit=False):
+    """float(v) (in [0, 1] if unit); ValueError naming the key otherwise."""
+    try:
+        x = number(key, v)
+    except TypeError as e:
+        raise ValueError(f"{e} ({key}: slime flag or --custom-config-path YAML key)") from None
+    if unit and not 0.0 <= x <= 1.0:
+        raise ValueError(f"{key} must be in [0, 1], got {v!r}")
+    return x
+
+
 def advantage_options(args) -> dict:
     """segment_gae keywords plus kl_coef, critic_target, reward_mode and untrainable, validated."""
     if getattr(args, "partial_rollout", False):
@@ -35,19 +46,24 @@ def advantage_options(args) -> dict:
                          "needs every segment of a rollout in one batch; drop --partial-rollout")
     lam = get(args, "compaction_lam", GAE_KEYS["compaction_lam"])
     if lam == "lambd":  # slime's own --lambd
-        lam = number("--lambd", get(args, "lambd", 1.0))
+        lam = _number("--lambd", get(args, "lambd", 1.0), unit=True)
     elif lam != "adaptive":
-        lam = number("compaction_lam", lam)
+        if isinstance(lam, str):
+            raise ValueError(f"compaction_lam (slime --custom-config-path YAML key) must be 'adaptive', 'lambd' or "
+                             f"a number in [0, 1], got {lam!r}")
+        lam = _number("compaction_lam", lam, unit=True)
     lam_critic = getattr(args, "compaction_lam_critic", GAE_KEYS["compaction_lam_critic"])
     cross = _choice("compaction_cross_segment", get(args, "compaction_cross_segment", "paper"),
                     ("paper", "none", "stitched"))
-    kw = dict(gamma=number("--gamma", get(args, "gamma", 1.0)), lam=lam, cross_segment=cross,
-              lam_critic=None if lam_critic is None else number("compaction_lam_critic", lam_critic),
-              adaptive_alpha=number("compaction_adaptive_alpha", get(args, "compaction_adaptive_alpha", 1.5)),
+    kw = dict(gamma=_number("--gamma", get(args, "gamma", 1.0), unit=True), lam=lam, cross_segment=cross,
+              lam_critic=None if lam_critic is None else _number("compaction_lam_critic", lam_critic, unit=True),
+              adaptive_alpha=_number("compaction_adaptive_alpha", get(args, "compaction_adaptive_alpha", 1.5)),
               adaptive_length=_choice("compaction_adaptive_length", get(args, "compaction_adaptive_length",
                                                                         "rollout"), ("rollout", "segment")))
+    if not kw["adaptive_alpha"] > 0:
+        raise ValueError(f"compaction_adaptive_alpha must be > 0, got {kw['adaptive_alpha']!r}")
     default_mode = "stitched" if cross == "stitched" else "paper"
-    extra = dict(kl_coef=number("--kl-coef", get(args, "kl_coef", 0.0)),
+    extra = dict(kl_coef=_number("--kl-coef", get(args, "kl_coef", 0.0)),
                  critic_target=_choice("compaction_critic_target", get(args, "compaction_critic_target", "local"),
                                        CRITIC_TARGETS),
                  reward_mode=_choice("compaction_reward_mode", get(args, "compaction_reward_mode", default_mode),

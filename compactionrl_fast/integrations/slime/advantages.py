@@ -19,8 +19,9 @@ Segments of one rollout may sit on different data-parallel ranks (slime packs mi
 deals them to ranks): the ranks first exchange a few numbers per sample over the DP group, then, only for
 the rollouts that are split, the samples' masks, values and KL. Under context parallelism each rank first
 rebuilds whole responses with slime's `all_gather_with_cp` and slices its part back with
-`slice_log_prob_with_cp`. Every rank raises the same error for bad input (errors are exchanged before
-anything is computed), so a bad batch never leaves one rank waiting in a collective.
+`slice_log_prob_with_cp`. Every rank raises the same error for bad input (errors are exchanged over the
+DP x CP group before any other collective, then over the DP group before anything is computed), so a bad batch
+never leaves one rank waiting in a collective.
 """
 from __future__ import annotations
 
@@ -39,15 +40,16 @@ _NEEDED = ("loss_masks", "response_lengths", "total_lengths", "rewards", "rollou
 
 
 def _parallel():
-    """(dp_group, dp_size, cp_size) from megatron-core's parallel state; (None, 1, 1) when it is not set up."""
+    """(dp_group, dp_size, cp_size, dp_cp_group) from megatron-core's parallel state; (None, 1, 1, None) when it
+    is not set up. dp_cp_group: the DP x CP group, every rank that takes part in this function's collectives."""
     try:
         from megatron.core import parallel_state as ps
     except ImportError:
-        return None, 1, 1
+        return None, 1, 1, None
     if not ps.model_parallel_is_initialized():
-        return None, 1, 1
+        return None, 1, 1, None
     return (ps.get_data_parallel_group(with_context_parallel=False), ps.get_data_parallel_world_size(),
-            ps.get_context_parallel_world_size())
+            ps.get_context_parallel_world_size(), ps.get_data_parallel_group(with_context_parallel=True))
 
 
 def _all_gather(obj, group, size):
@@ -151,12 +153,16 @@ def _columns(rollout_data, cp_size):
             return rows, f"{where}: loss_mask has {got} entries, response_length is {want}"
         return rows, (f"{where}: {name} has {got} entries, expected {want} (the response's "
                       f"{'CP-local part' if cp_size > 1 else 'length'})")
-    if cp_size > 1:
-        from slime.backends.megatron_utils.cp_utils import all_gather_with_cp
-        for k in ("values", "kl"):
-            setattr(rows, k, [None if x is None else all_gather_with_cp(x.float(), t, r).detach()
-                              for x, t, r in zip(getattr(rows, k), total, resp)])
     return rows, None
+
+
+def _gather_cp(rows, rollout_data):
+    """values and KL of whole responses from the CP-local slices (slime's all_gather_with_cp, a CP collective)."""
+    from slime.backends.megatron_utils.cp_utils import all_gather_with_cp
+    total, resp = list(map(int, rollout_data["total_lengths"])), list(map(int, rollout_data["response_lengths"]))
+    for k in ("values", "kl"):
+        setattr(rows, k, [None if x is None else all_gather_with_cp(x.float(), t, r).detach()
+                          for x, t, r in zip(getattr(rows, k), total, resp)])
 
 
 def _check_rollouts(metas, untrainable):
@@ -271,12 +277,18 @@ def compute_advantages(args, rollout_data) -> None:
         rollout_data: slime's per-rank batch, see the module docstring.
     """
     kw, extra = advantage_options(args)
-    group, dp_size, cp_size = _parallel()
+    group, dp_size, cp_size, dp_cp_group = _parallel()
     dp_rank = torch.distributed.get_rank(group) if dp_size > 1 else 0
     if extra["kl_coef"] != 0 and rollout_data.get("kl") is None:
         raise ValueError("--kl-coef is set but rollout_data has no 'kl': compute_advantages must be called by "
                          "slime's compute_advantages_and_returns (--custom-advantage-function-path)")
     rows, error = _columns(rollout_data, cp_size)
+    if cp_size > 1:  # a CP rank's own problem (its slices) must stop its CP peers before all_gather_with_cp
+        error = next((e for e in _all_gather(error, dp_cp_group, torch.distributed.get_world_size(dp_cp_group))
+                      if e), None)
+        if error is not None:
+            raise ValueError(error)
+        _gather_cp(rows, rollout_data)
     device = next((x.device for x in rows.values + rows.kl if x is not None), torch.device("cpu"))
     order = rows.order()
     packed = _packed(rows, order, device) if rows and error is None else None

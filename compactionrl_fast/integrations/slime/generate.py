@@ -167,6 +167,11 @@ async def generate(args, sample, sampling_params, evaluation=False):
     samples = samples_from_rollout(rollout, sample, decode=chat.decode)
     if not samples:  # the environment failed at reset: nothing was generated
         sample.status, sample.reward = Sample.Status.FAILED, float(rollout.reward)
-        sample.response_length, sample.loss_mask = 0, []
-        return sample
+        sample.response_length, sample.loss_mask, sample.rollout_log_probs = 0, [], []
+        if sample.rollout_id is None:
+            sample.rollout_id = sample.index
+        sample.metadata = dict(sample.metadata or {}, round_number=0, compaction={
+            "kind": None, "segments": 0, "finish_reason": rollout.finish_reason, "compactions": 0})
+        # a list like every other episode's: slime flattens the step's groups by the first one's shape
+        samples = [sample]
     return samples[-1] if evaluation else samples

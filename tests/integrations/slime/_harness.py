@@ -175,6 +175,18 @@ def expected(rollouts, samples, inputs, *, kl_coef=0.0, critic_target="local", d
     return out
 
 
+def spawn(world, cp_size, samples, inputs, args_kw, bad_values_rank=None):
+    """run_rank on `world` processes (gloo); each rank's result (or {"error": message})."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(run_rank, args=(world, free_port(), cp_size, samples, inputs, args_kw, d, bad_values_rank),
+                 nprocs=world, join=True)
+        return [torch.load(f"{d}/rank{r}.pt", weights_only=False) for r in range(world)]
+
+
 def free_port() -> int:
     import socket
 
@@ -183,27 +195,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(rank, world, port, cp_size=1):
-    """torch.distributed over gloo and megatron-core's real parallel state (no TP/PP)."""
+def init_parallel(rank, world, port, cp_size=1, timeout_s=None):
+    """torch.distributed over gloo and megatron-core's real parallel state (no TP/PP). timeout_s: how long a
+    collective may wait for a peer before it raises (a rank left waiting fails the test instead of hanging it)."""
+    import datetime
+
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            **({} if timeout_s is None else dict(timeout=datetime.timedelta(seconds=timeout_s))))
     ps.initialize_model_parallel(1, 1, context_parallel_size=cp_size)
     return ps
 
 
-def run_rank(rank, world, port, cp_size, samples, inputs, args_kw, out_dir):
-    """One process: its rank's batch through slime's compute_advantages_and_returns; results saved."""
+def run_rank(rank, world, port, cp_size, samples, inputs, args_kw, out_dir, bad_values_rank=None):
+    """One process: its rank's batch through slime's compute_advantages_and_returns; results saved.
+    bad_values_rank: on that rank only, the first sample's `values` gets one entry too many."""
     torch.set_num_threads(1)
-    ps = init_parallel(rank, world, port, cp_size)
+    ps = init_parallel(rank, world, port, cp_size, timeout_s=None if bad_values_rank is None else 60)
     from slime.backends.megatron_utils.loss import compute_advantages_and_returns
 
     args = slime_args(**args_kw)
     dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     refs = train_data(samples, args, dp_size, cp_size)
     rd = add_token_inputs(rank_data(refs, args, dp_rank, dp_size), inputs, cp_size)
+    if rank == bad_values_rank:
+        rd["values"][0] = torch.cat([rd["values"][0], torch.zeros(1)])
     try:
         compute_advantages_and_returns(args, rd)
         result = {"partition": rd["partition"], "advantages": rd["advantages"], "returns": rd["returns"],

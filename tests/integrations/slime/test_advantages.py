@@ -164,8 +164,12 @@ def test_bad_lengths_and_options_raise(world1):
         compute_advantages(H.slime_args(compaction_cross_segment="glued"), dict(good))
     with pytest.raises(ValueError, match="compaction_critic_target"):
         compute_advantages(H.slime_args(compaction_critic_target="both"), dict(good))
-    with pytest.raises(TypeError, match="compaction_lam"):
-        compute_advantages(H.slime_args(compaction_lam=[0.9]), dict(good))
+    # every bad option value is a ValueError naming its key (a misspelt choice included, not a TypeError)
+    for key, bad in (("compaction_lam", [0.9]), ("compaction_lam", "adaptiv"), ("compaction_lam", "Adaptive"),
+                     ("compaction_lam", 1.5), ("compaction_lam_critic", "one"), ("compaction_adaptive_alpha", 0),
+                     ("gamma", "high")):
+        with pytest.raises(ValueError, match=key):
+            compute_advantages(H.slime_args(**{key: bad}), dict(good))
     old = {k: v for k, v in good.items() if k != "rollout_ids"}
     with pytest.raises(ValueError, match="lacks the hooks"):
         compute_advantages(args, old)

@@ -1,8 +1,6 @@
 """compute_advantages on 2 and 4 processes (gloo, megatron-core's real parallel state): dp = 2 with rollouts whose
 segments land on both ranks, cp = 2 (values, log-probs and KL as CP-local slices), and dp = 2 x cp = 2: each
 equal to the numbers of one rank (the packed batch of the Rollout records)."""
-import tempfile
-
 import pytest
 import torch
 
@@ -13,13 +11,7 @@ skip_without_slime()
 from . import _harness as H  # noqa: E402
 
 
-def _spawn(world, cp_size, samples, inputs, args_kw):
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(H.run_rank, args=(world, H.free_port(), cp_size, samples, inputs, args_kw, d), nprocs=world,
-                 join=True)
-        return [torch.load(f"{d}/rank{r}.pt", weights_only=False) for r in range(world)]
+_spawn = H.spawn
 
 
 @pytest.mark.slow
@@ -54,6 +46,17 @@ def test_dp2_bad_input_raises_on_every_rank():
     res = _spawn(2, 1, samples, H.token_inputs(samples, seed=1),
                  dict(use_dynamic_batch_size=True, max_tokens_per_gpu=512))
     assert all("disagree on the reward" in r.get("error", "") for r in res), res
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, bad_rank", [(2, 1), (4, 2)], ids=["cp2", "dp2xcp2"])
+def test_cp_rank_bad_values_raise_on_every_rank(world, bad_rank):
+    """`values` of the wrong length on one CP rank only: every rank raises the same ValueError, none is left
+    waiting in all_gather_with_cp (each rank's collectives time out after 60 s, which fails the test)."""
+    samples = H.samples_of(H.random_rollouts(6, seed=12))
+    res = _spawn(world, 2, samples, H.token_inputs(samples, seed=3), dict(kl_coef=0.05), bad_values_rank=bad_rank)
+    errors = {r.get("error") for r in res}
+    assert len(errors) == 1 and "values has" in errors.pop(), res
 
 
 @pytest.mark.slow

@@ -131,6 +131,58 @@ def test_abort_and_errors():
         asyncio.run(generate(_args(1, "no_such_factory"), Sample(index=1), {}))
 
 
+class ResetFails:
+    def reset(self, seed):
+        raise RuntimeError("the task's container did not start")
+
+    def step(self, action):
+        raise AssertionError("never stepped")
+
+
+def make_env_failing_on_odd(args, sample):
+    return ResetFails() if sample.index % 2 else TwoStepEnv()
+
+
+def test_reset_failure_keeps_slimes_batch_shape():
+    """An environment failing at reset gives a FAILED sample, in a list like every other episode's: slime's
+    RolloutManager flattens a step's groups by the shape of the first one, and a bare Sample among lists broke it
+    ('Sample' object is not iterable, found by slime's train.py job). Here through slime's real _get_rollout_data
+    and _convert_samples_to_train_data, each order."""
+    from slime.rollout.base_types import RolloutFnTrainOutput
+    from slime.utils.types import Sample
+
+    fakes = _fakes()
+    tok = memory_tokenizer()
+    eos = tok.eos_token_id
+    turns = [[(-0.5, tok.convert_tokens_to_ids("next")), (-0.25, eos)]] * 2
+
+    async def run():
+        async with fakes.FakeSGLangServer([list(t) for t in turns]) as srv:
+            args = _args(_port(srv.url), "make_env_failing_on_odd")
+            return [await generate(args, Sample(index=i, prompt="p"), {"max_new_tokens": 8}) for i in (0, 1)]
+
+    good, failed = asyncio.run(run())
+    assert isinstance(failed, list) and len(failed) == 1
+    assert failed[0].status == Sample.Status.FAILED and failed[0].rollout_id == 1
+    assert failed[0].metadata["compaction"]["finish_reason"] == "error" and failed[0].response_length == 0
+    rm = _bare_rollout_manager(H.slime_args(load_debug_rollout_data=None))
+    for groups in ([[good], [failed]], [[failed], [good]]):  # slime's groups: n_samples_per_prompt = 1
+        rm.generate_rollout = lambda *a, evaluation=False, g=groups: RolloutFnTrainOutput(samples=g)
+        data, _ = rm._get_rollout_data(rollout_id=0)
+        assert sorted(s.index for s in data) == [0] * len(good) + [1]
+        train = rm._convert_samples_to_train_data(data)
+        assert sorted(train["rollout_ids"]) == [0] * len(good) + [1]
+
+
+def _bare_rollout_manager(args):
+    from slime.ray.rollout import RolloutManager
+
+    rm = RolloutManager.__ray_actor_class__.__new__(RolloutManager.__ray_actor_class__)
+    rm.args, rm.data_source = args, None
+    rm.custom_reward_post_process_func = rm.custom_convert_samples_to_train_data_func = None
+    return rm
+
+
 class ModelServer:
     """/generate over HTTP backed by TransformersEngine (a real model), SGLang's request and response shape."""
 

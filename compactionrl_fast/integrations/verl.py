@@ -67,10 +67,9 @@ def gae_options(config):
         kw["lam"] = float(kw["lam"])
     try:
         _check_numbers(0, torch.device("cpu"), **kw)
-    except (TypeError, ValueError) as e:  # the op's message starts with the argument's name
-        arg = next(k for k in ("adaptive_length", "adaptive_alpha", "lam_critic", "cross_segment", "gamma", "lam", "")
-                   if str(e).startswith(k))
-        key = "algorithm.gamma" if arg == "gamma" else f"algorithm.{ADV_ESTIMATOR}.{arg or '*'}"
+    except (TypeError, ValueError) as e:  # the op's message starts with the argument's name (longest match)
+        arg = max((k for k in kw if str(e).startswith(k)), key=len, default="*")
+        key = "algorithm.gamma" if arg == "gamma" else f"algorithm.{ADV_ESTIMATOR}.{arg}"
         raise ValueError(f"{key}: {e}") from None
     kw["gamma"] = float(kw["gamma"])
     flags = dict(whiten=bool(cfg_get(sub, "whiten", False)),

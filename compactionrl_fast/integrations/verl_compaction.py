@@ -153,18 +153,17 @@ def compaction_metrics(keys, response_mask, extra_fields, config=None):
         return {}
     keys = [keys[i] for i in real]
     extra = [extra_fields[i] for i in real]
-    mask = mask[torch.tensor(real)]
+    mask = mask[torch.tensor(real, device=mask.device)]
     ids, pos = session_rows(keys)
     B, L = mask.shape
     table = row_table(B, L, ids, pos, mask.device)
-    order = list(table.order)
+    order = table.order  # rows in segment order, rollout by rollout
     n_tok = mask.sum(-1).tolist()
     kw, _ = compaction_options(config)
-    mask_o = mask.index_select(0, torch.tensor(order)).reshape(B * L)
+    mask_o = mask.index_select(0, torch.tensor(order, device=mask.device)).reshape(B * L)
     scale = segment_params(mask_o, table.cu_seqlens, table.cu_segments, **kw)[2]  # [B] segments in order
-    first = table.cu_segments[:-1].tolist()  # each rollout's first row, in segment order
-    ends = table.cu_segments[1:].tolist()
-    rollouts = [[order[j] for j in range(a, b)] for a, b in zip(first, ends)]
+    cu = table.cu_segments.tolist()
+    rollouts = [order[a:b] for a, b in zip(cu[:-1], cu[1:])]  # each rollout's rows, in index order
     out = {}
 
     def stat(name, xs):

@@ -175,6 +175,15 @@ def expected(rollouts, samples, inputs, *, kl_coef=0.0, critic_target="local", d
     return out
 
 
+def split_rollouts(partitions, samples):
+    """The rollouts whose samples landed on more than one rank. partitions: per DP rank, its sample indices."""
+    ranks_of = {}
+    for r, part in enumerate(partitions):
+        for p in part:
+            ranks_of.setdefault(samples[p].rollout_id, set()).add(r)
+    return [rid for rid, ranks in ranks_of.items() if len(ranks) > 1]
+
+
 def spawn(world, cp_size, samples, inputs, args_kw, bad_values_rank=None):
     """run_rank on `world` processes (gloo); each rank's result (or {"error": message})."""
     import tempfile

@@ -22,11 +22,7 @@ def test_dp2_split_rollouts_equal_one_rank():
     kw = dict(kl_coef=0.05)
     res = _spawn(2, 1, samples, inputs, kw)
     assert all("error" not in r for r in res), res
-    ranks_of = {}
-    for r, out in enumerate(res):
-        for p in out["partition"]:
-            ranks_of.setdefault(samples[p].rollout_id, set()).add(r)
-    assert any(len(v) == 2 for v in ranks_of.values()), "the split must put a rollout on both ranks"
+    assert H.split_rollouts([out["partition"] for out in res], samples), "the split must put a rollout on both ranks"
     exp = H.expected(rollouts, samples, inputs, kl_coef=0.05, dtype="float64", gamma=1.0, lam="adaptive")
     seen = set()
     for out in res:
@@ -117,8 +113,5 @@ def test_dp2_cp2_equals_one_rank():
             full = _unslice([a["advantages"][i], b["advantages"][i]], t, n)
             torch.testing.assert_close(full.double(), exp[p][0], rtol=1e-5, atol=1e-5)
     assert seen == set(range(len(samples)))
-    ranks_of = {}
-    for dp in range(2):
-        for p in res[2 * dp]["partition"]:
-            ranks_of.setdefault(samples[p].rollout_id, set()).add(dp)
-    assert any(len(v) == 2 for v in ranks_of.values()), "the split must put a rollout on both DP ranks"
+    assert H.split_rollouts([res[2 * dp]["partition"] for dp in range(2)], samples), \
+        "the split must put a rollout on both DP ranks"

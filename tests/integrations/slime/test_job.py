@@ -197,11 +197,7 @@ def test_advantages_through_slime_at_dp2(job, step):
     res = H.spawn(2, 1, samples, inputs, dict(kl_coef=0.05, use_dynamic_batch_size=True, max_tokens_per_gpu=128,
                                               compaction_untrainable="allow"))  # the sample failed at reset
     assert all("error" not in r for r in res), res
-    ranks_of = {}
-    for r, out in enumerate(res):
-        for p in out["partition"]:
-            ranks_of.setdefault(samples[p].rollout_id, set()).add(r)
-    assert any(len(v) == 2 for v in ranks_of.values()), "the DP split must put a rollout on both ranks"
+    assert H.split_rollouts([out["partition"] for out in res], samples), "the DP split must put a rollout on both ranks"
     kept = [p for p, s in enumerate(samples) if s.response_length]
     rollouts, relabeled = _oracle_rollouts([samples[p] for p in kept])
     exp = dict(zip(kept, H.expected(rollouts, relabeled, [inputs[p] for p in kept], kl_coef=0.05, gamma=1.0,

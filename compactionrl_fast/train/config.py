@@ -290,6 +290,7 @@ ENV_HELP = {
     "env.n_digits": "digits to remember, 1..9",
     "env.n_fillers": "filler words per observation (longer observations compact sooner)",
     "env.n_blank": "extra turns without a digit, at random places",
+    "env.reward": "exact (1 for the exact answer, else 0) | accuracy (the fraction of digits in their right place)",
 }
 ROLLOUT_HELP = {
     "rollout.budget": "working-context budget C in tokens",

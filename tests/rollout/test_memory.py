@@ -30,6 +30,20 @@ def test_env_rules():
     assert info["success"] is False and info["accuracy"] == pytest.approx(2 / 3)
 
 
+def test_accuracy_reward_is_the_partial_credit():
+    env = MemoryEnv(n_digits=4, n_fillers=0, reward="accuracy")
+    env.reset(5)
+    digits = [str(d) for d in env.digits]
+    for guess, want in ((digits, 1.0), (digits[:2] + ["x", "x"], 0.5), (digits[:3], 0.75), ([], 0.0),
+                        (["x"] + digits[:3], sum(a == b for a, b in zip(["x"] + digits[:3], digits)) / 4)):
+        env.reset(5)
+        _, done, r, info = env.step("answer " + " ".join(guess))
+        assert done and r == want == info["accuracy"] and info["success"] is (want == 1.0)
+    assert MemoryEnv(n_digits=4).reward == "exact"
+    with pytest.raises(ValueError, match="reward must be one of \\('exact', 'accuracy'\\), got 'partial'"):
+        MemoryEnv(reward="partial")
+
+
 def test_env_knobs_and_determinism():
     a, b = MemoryEnv(n_digits=5, n_fillers=2, n_blank=3), MemoryEnv(n_digits=5, n_fillers=2, n_blank=3)
     assert a.reset(3) == b.reset(3)

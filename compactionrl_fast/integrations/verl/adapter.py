@@ -43,40 +43,12 @@ import sys
 
 import torch
 
-from ..ops import ppo_policy_loss
-from ..ops._mask import bool_mask_and_count
-from ..ops._validate import trusted_layout
-from ..ops.gae import _check_numbers
-from ._common import cfg_get, denominator_from, masked_whiten
-from .padded import as_bool_mask, flat, row_table, segment_gae_padded
-
-ADV_ESTIMATOR = "compaction_gae"
-POLICY_LOSS = "compaction"
-GAE_DEFAULTS = dict(lam="adaptive", cross_segment="paper", lam_critic=1.0, adaptive_alpha=1.5,
-                    adaptive_length="rollout")
-
-
-def gae_options(config):
-    """segment_gae keyword arguments and adapter flags from verl's `algorithm` config.
-
-    Raises ValueError naming the full key (`algorithm.compaction_gae.lam`, ...) for a bad value."""
-    sub = cfg_get(config, ADV_ESTIMATOR) or {}
-    kw = {k: cfg_get(sub, k, v) for k, v in GAE_DEFAULTS.items()}
-    kw["gamma"] = cfg_get(config, "gamma", 1.0)
-    if isinstance(kw["lam"], (int, float)) and not isinstance(kw["lam"], bool):
-        kw["lam"] = float(kw["lam"])
-    try:
-        _check_numbers(0, torch.device("cpu"), **kw)
-    except (TypeError, ValueError) as e:  # the op's message starts with the argument's name (longest match)
-        arg = max((k for k in kw if str(e).startswith(k)), key=len, default="*")
-        key = "algorithm.gamma" if arg == "gamma" else f"algorithm.{ADV_ESTIMATOR}.{arg}"
-        raise ValueError(f"{key}: {e}") from None
-    kw["gamma"] = float(kw["gamma"])
-    flags = dict(whiten=bool(cfg_get(sub, "whiten", False)),
-                 rollout_id_key=cfg_get(sub, "rollout_id_key", "rollout_id"),
-                 group_by_uid=bool(cfg_get(sub, "group_by_uid", True)))
-    return kw, flags
-
+from ...ops import ppo_policy_loss
+from ...ops._mask import bool_mask_and_count
+from ...ops._validate import trusted_layout
+from .._common import cfg_get, denominator_from, masked_whiten
+from ..padded import as_bool_mask, flat, row_table, segment_gae_padded
+from ._options import ADV_ESTIMATOR, POLICY_LOSS, gae_options
 
 def compute_compaction_gae(token_level_rewards, response_mask, values=None, index=None, config=None, *,
                            rollout_ids=None, segment_index=None, **_unused):

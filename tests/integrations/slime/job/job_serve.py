@@ -1,4 +1,4 @@
-"""The SGLang engines of the slime job on CPU (tests/integrations/slime/test_job.py), one process: replicas of an
+"""The SGLang engines of the slime job on CPU (tests/integrations/slime/job/test_job.py), one process: replicas of an
 SGLang-protocol server over the tiny Llama of --hf-checkpoint (our TransformersEngine), each answering what slime
 and sglang_router ask of an external engine (slime/backends/sglang_utils/external.py, sglang_engine.py,
 server_control.py): GET /server_info, GET /health (the router's registration check), POST /generate (input_ids,
@@ -8,7 +8,7 @@ sampling_params, return_logprob; answers meta_info.output_token_logprobs and fin
 A request whose prompt holds HOLD (three "none" words: no memory-task context holds them) waits until slime
 aborts it, so the job's over-sampled prompts are aborted in every step, whatever the timing.
 
-    python -m tests.integrations.slime.job_serve HF_DIR PORT... (one replica per port; prints "ready" when up)
+    python -m tests.integrations.slime.job.job_serve HF_DIR PORT... (one replica per port; prints "ready" when up)
 """
 from __future__ import annotations
 

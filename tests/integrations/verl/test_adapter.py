@@ -269,7 +269,7 @@ def test_verl_loads_the_adapter_from_its_env_variable(core_algos):
     env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="compactionrl_fast.integrations.verl")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["compactionrl_fast.integrations.verl", "compute_policy_loss_compaction"]
+    assert out.stdout.split() == ["compactionrl_fast.integrations.verl.adapter", "compute_policy_loss_compaction"]
 
 
 def test_patch_real_verl_compute_advantage(core_algos):

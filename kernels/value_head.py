@@ -55,8 +55,9 @@ def value_head_bwd_kernel(h, w, g, dh, dw_part, T, H, stride_t, n_blocks, NEED_D
         # [BT]
         b_g = tl.load(g + o_t, mask=m_t, other=0.0).to(tl.float32)
         if NEED_DH:
-            tl.store(dh + o_t[:, None] * stride_t + o_h[None, :],
-                     (b_g[:, None] * b_w[None, :]).to(dh.dtype.element_ty), mask=m)
+            # a zero-gradient row (a masked token) gets 0, not 0 * an inf/NaN weight
+            b_dh = tl.where(b_g[:, None] != 0.0, b_g[:, None] * b_w[None, :], 0.0)
+            tl.store(dh + o_t[:, None] * stride_t + o_h[None, :], b_dh.to(dh.dtype.element_ty), mask=m)
         if NEED_DW:
             # [BT, BH]
             b_h = tl.load(h + o_t[:, None] * stride_t + o_h[None, :], mask=m, other=0.0).to(tl.float32)

@@ -294,6 +294,32 @@ def test_bf16_inputs(backend, op):
     torch.testing.assert_close(x.grad.cpu().double(), x64.grad, rtol=2 ** -8, atol=1e-7)
 
 
+@pytest.mark.parametrize("backend", ["auto"] + BACKENDS)
+@pytest.mark.parametrize("op", ["ppo_policy_loss", "value_loss"])
+def test_float64_loss_inputs(backend, op):
+    """float64 inputs of the losses (docs/ops.md, "float64 inputs"): the C++ CPU kernels ("auto" on CPU) compute
+    them in float64 (the reference's gradient, float64, values of 1e300 included); the kernels that read float32
+    (Triton, CUDA C++, and so "auto" on CUDA tensors) refuse them with a ValueError, never a float32 copy."""
+    b = _batch("random")
+    mask, cu = b["loss_mask"], b["cu_seqlens"]
+    old, new, other, _ = (x.double() for x in _loss_inputs(b))
+    other[mask.cpu().nonzero()[:3, 0]] = 1e300  # advantages / returns past float32
+    fn, kw = (crf.ppo_policy_loss, {}) if op == "ppo_policy_loss" else (crf.value_loss, dict(clip=0.2))
+    x = _leaf(new)
+    if backend not in ("cpp", "auto") or (backend == "auto" and DEVICE.type == "cuda"):
+        with pytest.raises(ValueError, match=f"{op}: float64 inputs"):
+            fn(x, old.to(DEVICE), other.to(DEVICE), mask, cu_seqlens=cu, backend=backend, **kw)
+        return
+    loss, _ = fn(x, old.to(DEVICE), other.to(DEVICE), mask, cu_seqlens=cu, backend=backend, **kw)
+    x64 = _leaf(new, "cpu")
+    rl, _ = getattr(ref, op)(x64, old.cpu(), other.cpu(), mask.cpu(), cu_seqlens=cu.cpu(), **kw)
+    loss.backward()
+    rl.backward()
+    assert loss.item() == rl.float().item() or abs(loss.item() - rl.item()) <= 1e-5 * abs(rl.item())
+    assert x.grad.dtype == torch.float64
+    torch.testing.assert_close(x.grad.cpu(), x64.grad, rtol=1e-12, atol=0.0)
+
+
 # ---------------------------------------------------------------- device guard: tensors on the second GPU
 
 TWO_GPUS = DEVICE.type == "cuda" and torch.cuda.device_count() >= 2

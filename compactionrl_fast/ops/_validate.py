@@ -55,6 +55,12 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def loss_dtype(*tensors):
+    """The type the losses' kernels read their float inputs in: float64 if one input is float64 (the C++ kernels
+    compute it in float64; Triton and CUDA refuse it: ops/_dispatch.py), else float32 (exact for bf16/fp16)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
 def check_tensor(name, t, *, dtypes=None, ndim=None, device=None, numel=None):
     """Check that `t` is a tensor with one of `dtypes`, `ndim` dims, on `device`, with `numel` elements."""
     if not isinstance(t, torch.Tensor):

@@ -19,7 +19,8 @@ from ._dispatch import custom_op, resolve_backend
 from ._reduction import REDUCTIONS, segment_weights
 from ._register import loss_autograd, register_op
 from ._registry import LARGE, SMALL, OpSpec, declare, packed, wave
-from ._validate import FLOAT_DTYPES, check_choice, check_denominator, check_float, check_layout, check_tensor
+from ._validate import (FLOAT_DTYPES, check_choice, check_denominator, check_float, check_layout, check_tensor,
+                        loss_dtype)
 
 METRICS = ("clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_max", "log_ratio")
 INF = float("inf")
@@ -30,13 +31,15 @@ NO_DUAL_CLIP = float(torch.finfo(torch.float32).max)  # -c*A stays finite or +-i
 # Shared by the C++ op and the Triton op (same signature):
 #   (logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs?, cu_seqlens?, seg_scale [S] float64,
 #    clip_low, clip_high, dual_clip (float32 max: off), tis_cap (inf: no cap), need_grad)
-#   -> (loss [] float32, metrics [5] float32 (METRICS order), grad [T] float32 or [0])
+#   -> (loss [] float32, metrics [5] float32 (METRICS order), grad [T] or [0] in the inputs' type)
+# The float inputs share one type: float32, or float64 (the cpp op only; ops/_dispatch.py refuses it elsewhere).
 
 
 def _fake(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale, clip_low,
           clip_high, dual_clip, tis_cap, need_grad):
-    T = logprobs.shape[0]
-    return (logprobs.new_empty(()), logprobs.new_empty(len(METRICS)), logprobs.new_empty(T if need_grad else 0))
+    T, f32 = logprobs.shape[0], torch.float32
+    return (logprobs.new_empty((), dtype=f32), logprobs.new_empty(len(METRICS), dtype=f32),
+            logprobs.new_empty(T if need_grad else 0))
 
 
 def _triton_op(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
@@ -69,7 +72,8 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, cu_seqlens
 
     Args:
         logprobs: [T] float, requires grad; the only input that receives a gradient.
-        old_logprobs, advantages: [T] float (the behaviour policy's log-probs and the advantages).
+        old_logprobs, advantages: [T] float (the behaviour policy's log-probs and the advantages). A float64
+            input is computed in float64 by "cpp" and "torch" and refused by "triton" and "cuda" (docs/ops.md).
         loss_mask: [T] bool, True on trainable tokens; other positions are never read into the loss.
         cu_seqlens: [S+1] int32/int64 segment offsets (needed by "segment-mean"/"rollout-mean"; None: one
             segment). cu_segments: [R+1] rollout offsets into the segments (None: a rollout per segment).
@@ -119,7 +123,8 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, cu_seqlens
     check_choice("reduction", reduction, REDUCTIONS)
     denominator = check_denominator(denominator, reduction)
     cu_segments = check_layout(loss_mask, cu_seqlens, cu_segments)
-    b = resolve_backend(backend, device, op="ppo_policy_loss")
+    dt = loss_dtype(logprobs, old_logprobs, advantages, rollout_logprobs)
+    b = resolve_backend(backend, device, op="ppo_policy_loss", dtype=dt)
 
     if b == "torch":
         loss, m = ref.ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, cu_seqlens=cu_seqlens,
@@ -130,10 +135,10 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, cu_seqlens
 
     seg_scale = segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator, backend=b)
     need_grad = torch.is_grad_enabled() and logprobs.requires_grad
-    f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
+    cast = lambda t: t.detach().to(dt).contiguous()  # noqa: E731
     op = custom_op("ppo_policy_loss", b)
-    loss, metrics, _ = op(logprobs.float().contiguous(), f32(old_logprobs), f32(advantages), loss_mask.contiguous(),
-                          None if rollout_logprobs is None else f32(rollout_logprobs),
+    loss, metrics, _ = op(logprobs.to(dt).contiguous(), cast(old_logprobs), cast(advantages), loss_mask.contiguous(),
+                          None if rollout_logprobs is None else cast(rollout_logprobs),
                           None if cu_seqlens is None else cu_seqlens.contiguous(), seg_scale, clip_low, clip_high,
                           NO_DUAL_CLIP if dual_clip is None else float(dual_clip), INF if tis_cap is None else float(tis_cap),
                           need_grad)

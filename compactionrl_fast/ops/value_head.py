@@ -53,16 +53,25 @@ def _masked_rows(h, g):
     return torch.where((g != 0)[:, None], h, 0.0)
 
 
+def _zero_rows_of_zero_grad(dh, g, w32):
+    """d_hidden = outer(g, w) with its rows of zero gradient set to exactly 0 (in place): 0 times an inf/NaN
+    weight is NaN, and a masked token's gradient is 0 (the C++ and Triton kernels write 0 there). On CPU only
+    when w is not finite (an O(H) check, no sync); on CUDA always (a check would be a host sync)."""
+    if w32.device.type != "cpu" or not bool(torch.isfinite(w32).all()):
+        dh.masked_fill_((g == 0)[:, None], 0.0)
+    return dh
+
+
 def _torch_bwd(hidden, w32, g, need_dh, need_dw):
     """d_hidden (hidden's dtype) and d_weight (float32, chunks added in a fixed order; inside a chunk MKL's).
 
-    d_weight skips rows whose gradient is 0. float32 on CPU: one gemv, redone with those rows zeroed only
-    when it is not finite (an O(H) check, no sync on CPU); elsewhere the chunks are masked as they are
-    upcast.
+    Rows whose gradient is 0 get d_hidden 0 and add nothing to d_weight. float32 on CPU: one gemv, redone with
+    those rows zeroed only when it is not finite (an O(H) check, no sync on CPU); elsewhere the chunks are
+    masked as they are upcast.
     """
     T, H = hidden.shape
     if hidden.dtype == torch.float32 and (hidden.device.type == "cpu" or not need_dw):
-        dh = torch.outer(g, w32) if need_dh else None
+        dh = _zero_rows_of_zero_grad(torch.outer(g, w32), g, w32) if need_dh else None
         dw = torch.mv(hidden.t(), g) if need_dw else None
         if need_dw and not torch.compiler.is_compiling() and not bool(torch.isfinite(dw).all()):
             dw = torch.zeros(H, dtype=torch.float32, device=hidden.device)
@@ -75,7 +84,7 @@ def _torch_bwd(hidden, w32, g, need_dh, need_dw):
     dw = torch.zeros(H, dtype=torch.float32, device=hidden.device) if need_dw else None
     for i in range(0, T, c):
         if need_dh:
-            dh[i:i + c] = torch.outer(g[i:i + c], w32)
+            dh[i:i + c] = _zero_rows_of_zero_grad(torch.outer(g[i:i + c], w32), g[i:i + c], w32)
         if need_dw:
             h32, g_c = hidden[i:i + c].float(), g[i:i + c]
             # the upcast is a fresh copy unless hidden is float32: mask it in place then

@@ -18,19 +18,22 @@ from ._dispatch import custom_op, resolve_backend
 from ._reduction import REDUCTIONS, segment_weights
 from ._register import loss_autograd, register_op
 from ._registry import LARGE, SMALL, OpSpec, declare, packed, wave
-from ._validate import FLOAT_DTYPES, check_choice, check_denominator, check_float, check_layout, check_tensor
+from ._validate import (FLOAT_DTYPES, check_choice, check_denominator, check_float, check_layout, check_tensor,
+                        loss_dtype)
 
 METRICS = ("clip_fraction", "value_mean", "explained_variance")
 
 
 # ---------------------------------------------------------------- custom ops: fake impls and autograd
 # (values, old_values, returns, loss_mask, cu_seqlens?, seg_scale [S] float64, clip (< 0: off), need_grad)
-#   -> (loss [] float32, metrics [3] float32, grad [T] float32 or [0])
+#   -> (loss [] float32, metrics [3] float32, grad [T] or [0] in the inputs' type)
+# The float inputs share one type: float32, or float64 (the cpp op only; ops/_dispatch.py refuses it elsewhere).
 
 
 def _fake(values, old_values, returns, loss_mask, cu_seqlens, seg_scale, clip, need_grad):
-    T = values.shape[0]
-    return (values.new_empty(()), values.new_empty(len(METRICS)), values.new_empty(T if need_grad else 0))
+    T, f32 = values.shape[0], torch.float32
+    return (values.new_empty((), dtype=f32), values.new_empty(len(METRICS), dtype=f32),
+            values.new_empty(T if need_grad else 0))
 
 
 def _triton_op(values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor, cu_seqlens: Optional[Tensor],
@@ -57,7 +60,8 @@ def value_loss(values, old_values, returns, loss_mask, *, clip=None, cu_seqlens=
 
     Args:
         values: [T] float, requires grad (the only input that receives a gradient).
-        old_values, returns: [T] float (old_values is read only with `clip`).
+        old_values, returns: [T] float (old_values is read only with `clip`). A float64 input is computed in
+            float64 by "cpp" and "torch" and refused by "triton" and "cuda" (docs/ops.md).
         loss_mask: [T] bool. cu_seqlens [S+1], cu_segments [R+1]: as in `ppo_policy_loss`.
         clip: None or eps >= 0. reduction, denominator, backend: as in `ppo_policy_loss`.
 
@@ -84,7 +88,8 @@ def value_loss(values, old_values, returns, loss_mask, *, clip=None, cu_seqlens=
     check_choice("reduction", reduction, REDUCTIONS)
     denominator = check_denominator(denominator, reduction)
     cu_segments = check_layout(loss_mask, cu_seqlens, cu_segments)
-    b = resolve_backend(backend, device, op="value_loss")
+    dt = loss_dtype(values, old_values, returns)
+    b = resolve_backend(backend, device, op="value_loss", dtype=dt)
 
     if b == "torch":
         loss, m = ref.value_loss(values, old_values, returns, loss_mask, clip=clip, cu_seqlens=cu_seqlens,
@@ -93,9 +98,9 @@ def value_loss(values, old_values, returns, loss_mask, *, clip=None, cu_seqlens=
 
     seg_scale = segment_weights(loss_mask, cu_seqlens, cu_segments, reduction, denominator, backend=b)
     need_grad = torch.is_grad_enabled() and values.requires_grad
-    f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
+    cast = lambda t: t.detach().to(dt).contiguous()  # noqa: E731
     op = custom_op("value_loss", b)
-    loss, metrics, _ = op(values.float().contiguous(), f32(old_values), f32(returns), loss_mask.contiguous(),
+    loss, metrics, _ = op(values.to(dt).contiguous(), cast(old_values), cast(returns), loss_mask.contiguous(),
                           None if cu_seqlens is None else cu_seqlens.contiguous(), seg_scale,
                           -1.0 if clip is None else clip, need_grad)
     return loss, dict(zip(METRICS, metrics.detach().unbind(0)))

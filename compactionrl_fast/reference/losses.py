@@ -49,8 +49,8 @@ def token_weights(loss_mask, cu_seqlens=None, cu_segments=None, reduction="token
     if denominator is not None:
         d = float(denominator)
     for (a, b), n in zip(units, counts):
-        if n > 0 and d > 0:
-            w[a:b] = torch.where(m[a:b], 1.0 / d if reduction == "token-mean" else 1.0 / (n * d), 0.0)
+        if n > 0 and d > 0:  # masked_fill_ keeps float64 (a where of two Python floats would be float32)
+            w[a:b].masked_fill_(m[a:b], 1.0 / d if reduction == "token-mean" else 1.0 / (n * d))
     return w
 
 

@@ -1,10 +1,13 @@
-"""The metrics of a run: rollout statistics, and metrics.jsonl (plus TensorBoard) written by rank 0."""
+"""The metrics of a run: rollout statistics, the recipe's `compaction/...` vocabulary (docs/metrics.md), and
+metrics.jsonl (plus TensorBoard) written by rank 0."""
 from __future__ import annotations
 
 import json
 import math
 import os
 
+from ..rollout.metrics import GAE_KEYS, rollout_facts
+from ..rollout.metrics import compaction_metrics as vocabulary_metrics
 from . import atomic, diagnostics, dist
 
 
@@ -23,6 +26,22 @@ def rollout_metrics(rollouts: list, prefix: str = "") -> dict:
         vals = [float(r.info[k]) for r in rollouts if isinstance(r.info.get(k), (int, float))]
         out["info/" + k] = sum(vals) / len(vals)
     return {prefix + k: v for k, v in out.items()}
+
+
+def compaction_metrics(rollouts: list, cfg=None, group=None) -> dict:
+    """The recipe's vocabulary (`compaction/...`, docs/metrics.md) of a step's rollouts on every rank: each rank's
+    SegmentFacts are gathered (all_gather_object over `group`), so every rank returns the same numbers of the
+    whole step. cfg: the TrainConfig whose GAE options give the cross-segment scale (None: left out)."""
+    rank, ws = dist.world()
+    facts = rollout_facts(rollouts, ids=[(rank, i) for i in range(len(rollouts))])
+    if ws > 1:
+        import torch.distributed
+
+        parts = [None] * ws
+        torch.distributed.all_gather_object(parts, facts, group=group)
+        facts = [f for p in parts for f in p]
+    gae = None if cfg is None else {k: getattr(cfg, k) for k in GAE_KEYS}
+    return vocabulary_metrics(facts, gae)
 
 
 def read_rows(path: str) -> list:

@@ -7,7 +7,7 @@ import time
 from . import dist, trainer
 from .config import TrainConfig
 from .micro_batch import layout_on
-from .log import MetricsLog, rollout_metrics
+from .log import MetricsLog, compaction_metrics, rollout_metrics
 from .sync import check_sampler, push_weights
 from .threads import maybe_step
 
@@ -125,6 +125,7 @@ def fit(state: trainer.State, *, engine, make_envs, tokenizer, rollout_cfg, pack
         # the fixed keys are averaged over ranks; the environments' info keys stay rank 0's
         rm.update({k: dist.global_sum(v, state.group) / ws for k, v in rm.items() if not k.startswith("info/")})
         metrics.update(rm)
+        metrics.update(compaction_metrics(rollouts, cfg, state.group))  # the whole step's, on every rank
         if metrics_fn is not None:
             metrics.update(metrics_fn(rollouts))
         metrics.update({"phase": "value_pretrain" if pretrain else "ppo", "time/rollout_s": t1 - t0,

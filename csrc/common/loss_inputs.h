@@ -8,11 +8,16 @@
 
 namespace crf {
 
-// `op: name must be a contiguous float32 [T] tensor` (a CUDA one when `cuda`).
-inline void check_f32(const char* op, const at::Tensor& t, const char* name, int64_t T, bool cuda) {
-  TORCH_CHECK((!cuda || t.is_cuda()) && t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == T &&
+// `op: name must be a contiguous [T] tensor` of input 0's float type: float32, or on CPU also float64 (the CPU
+// kernels compute a float64 input in float64; the CUDA ones read float32 only, docs/ops.md).
+inline void check_float_input(const char* op, const at::Tensor& t, const char* name, int64_t T, bool cuda,
+                              at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || (!cuda && dtype == at::kDouble), op, ": ", name, " must be float32",
+              cuda ? "" : " or float64", ", got ", dtype);
+  TORCH_CHECK((!cuda || t.is_cuda()) && t.scalar_type() == dtype && t.dim() == 1 && t.numel() == T &&
                   t.is_contiguous(),
-              op, ": ", name, " must be a contiguous float32 [T] ", cuda ? "CUDA tensor" : "tensor");
+              op, ": ", name, " must be a contiguous ", dtype, " [T] ", cuda ? "CUDA tensor" : "tensor",
+              " (the float type of the op's first input)");
 }
 
 // loss_mask, seg_scale and cu_seqlens (optional), all contiguous; returns S, the number of segments.
@@ -39,10 +44,11 @@ inline int64_t check_ppo_inputs(const at::Tensor& logprobs, const at::Tensor& ol
                                 const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& seg_scale, bool cuda) {
   const char* op = "ppo_policy_loss";
   const int64_t T = logprobs.numel();
-  check_f32(op, logprobs, "logprobs", T, cuda);
-  check_f32(op, old_logprobs, "old_logprobs", T, cuda);
-  check_f32(op, advantages, "advantages", T, cuda);
-  if (rollout_logprobs) check_f32(op, *rollout_logprobs, "rollout_logprobs", T, cuda);
+  const at::ScalarType dt = logprobs.scalar_type();
+  check_float_input(op, logprobs, "logprobs", T, cuda, dt);
+  check_float_input(op, old_logprobs, "old_logprobs", T, cuda, dt);
+  check_float_input(op, advantages, "advantages", T, cuda, dt);
+  if (rollout_logprobs) check_float_input(op, *rollout_logprobs, "rollout_logprobs", T, cuda, dt);
   return check_segments(op, T, loss_mask, cu_seqlens, seg_scale);
 }
 
@@ -52,9 +58,10 @@ inline int64_t check_value_inputs(const at::Tensor& values, const at::Tensor& ol
                                   const at::Tensor& seg_scale, bool cuda) {
   const char* op = "value_loss";
   const int64_t T = values.numel();
-  check_f32(op, values, "values", T, cuda);
-  check_f32(op, old_values, "old_values", T, cuda);
-  check_f32(op, returns, "returns", T, cuda);
+  const at::ScalarType dt = values.scalar_type();
+  check_float_input(op, values, "values", T, cuda, dt);
+  check_float_input(op, old_values, "old_values", T, cuda, dt);
+  check_float_input(op, returns, "returns", T, cuda, dt);
   return check_segments(op, T, loss_mask, cu_seqlens, seg_scale);
 }
 

@@ -23,15 +23,16 @@ namespace {
 // Per-block partial sums, in this order.
 enum { kLoss, kTokens, kClipped, kDual, kKl, kLogRatio, kRatioMax, kParts };
 
-template <typename idx_t>
+// in_t: the inputs' and the gradient's type, float or double (a float64 input is computed in float64).
+template <typename idx_t, typename in_t>
 struct Args {
-  const float *logp, *old, *adv, *roll;
+  const in_t *logp, *old, *adv, *roll;
   const bool* mask;
   const idx_t* cu;      // [S+1] or nullptr (one segment)
   const double* scale;  // [S] reduction weight of each segment's tokens
   int64_t S, T;
   float ratio_lo, ratio_hi, dual_c, tis_cap;
-  float* grad;     // [T] or nullptr
+  in_t* grad;      // [T] or nullptr
   double* part;    // [n_blocks, kParts]
   double lo64, hi64, dual64, cap64;  // the same in float64 (the float64 pass); dual64 = 0: no dual clip
 };
@@ -44,7 +45,7 @@ enum { L, K, N, C, D, X, R, NB };
 // (ppo_chunk_f64) rounded, as long as every trainable token's terms are finite; ppo_chunk redoes a chunk in
 // float64 when they are not (its loss or KL sum is not finite).
 template <typename idx_t, bool TIS, bool GRAD>
-CRF_INLINE void ppo_map(const Args<idx_t>& a, int64_t t0, int64_t n, float wf, float (*buf)[crf::kChunk]) {
+CRF_INLINE void ppo_map(const Args<idx_t, float>& a, int64_t t0, int64_t n, float wf, float (*buf)[crf::kChunk]) {
   const uint8_t* __restrict mask = reinterpret_cast<const uint8_t*>(a.mask) + t0;
   const float* __restrict lp = a.logp + t0;
   const float* __restrict old = a.old + t0;
@@ -80,16 +81,21 @@ CRF_INLINE void ppo_map(const Args<idx_t>& a, int64_t t0, int64_t n, float wf, f
 // that is not finite. A token whose float32 loss and KL term are finite keeps the float32 pass's results
 // (they are the float64 ones rounded; its gradient keeps its bits); any other trainable token is done in
 // float64 by crf::ppo_token_f64 (csrc/common/ppo_math.h; the CUDA kernel redoes the same tokens with it).
+// float64 inputs (in_t = double) have no float32 pass (buf is null): every token is done here.
 // Adds into p. noinline: the float32 loop stays small.
-template <typename idx_t, bool TIS, bool GRAD>
-__attribute__((noinline)) void ppo_chunk_f64(const Args<idx_t>& a, int64_t t0, int64_t n, double w, double* p,
+template <typename idx_t, typename in_t, bool TIS, bool GRAD>
+__attribute__((noinline)) void ppo_chunk_f64(const Args<idx_t, in_t>& a, int64_t t0, int64_t n, double w, double* p,
                                              const float (*buf)[crf::kChunk]) {
+  constexpr bool f32 = std::is_same_v<in_t, float>;
   const double lo = a.lo64, hi = a.hi64, c = a.dual64, cap = a.cap64;
   double loss = 0.0, tokens = 0.0, clips = 0.0, duals = 0.0, kl = 0.0, lr = 0.0, rm = p[kRatioMax];
   for (int64_t i = t0; i < t0 + n; ++i) {
-    if (!a.mask[i]) continue;  // the float32 pass wrote its 0 gradient
+    if (!a.mask[i]) {  // the float32 pass wrote its 0 gradient
+      if (GRAD && !f32) a.grad[i] = 0.0;
+      continue;
+    }
     const int64_t j = i - t0;
-    if (std::isfinite(buf[L][j]) && std::isfinite(buf[K][j])) {
+    if (f32 && std::isfinite(buf[L][j]) && std::isfinite(buf[K][j])) {
       loss += (double)buf[L][j] * w;
       tokens += 1.0;
       clips += buf[C][j];
@@ -102,7 +108,7 @@ __attribute__((noinline)) void ppo_chunk_f64(const Args<idx_t>& a, int64_t t0, i
     const double old = a.old[i], x = (double)a.logp[i] - old, d = TIS ? old - (double)a.roll[i] : 0.0;
     const crf::PpoToken64 o = crf::ppo_token_f64<TIS>(x, a.adv[i], d, w, lo, hi, c, cap);
     loss += o.lw;
-    if (GRAD) a.grad[i] = (float)o.grad;
+    if (GRAD) a.grad[i] = (in_t)o.grad;
     tokens += 1.0;
     clips += o.clipped ? 1.0 : 0.0;
     duals += o.dual ? 1.0 : 0.0;
@@ -120,9 +126,9 @@ __attribute__((noinline)) void ppo_chunk_f64(const Args<idx_t>& a, int64_t t0, i
   p[kRatioMax] = rm;
 }
 
-// Tokens [t0, t1) (at most kChunk) of one segment with reduction weight w; adds into p.
+// Tokens [t0, t1) (at most kChunk) of one segment with reduction weight w, float32 inputs; adds into p.
 template <typename idx_t, bool TIS, bool GRAD>
-CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
+CRF_INLINE void ppo_chunk32(const Args<idx_t, float>& a, int64_t t0, int64_t t1, double w, double* p) {
   float buf[NB][crf::kChunk];
   const int64_t n = t1 - t0;
   const float wf = (float)w;
@@ -132,7 +138,7 @@ CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w
   ppo_map<idx_t, TIS, GRAD>(a, t0, n, wf, buf);
   const double loss = crf::lane_sum(buf[L], n), kl = crf::lane_sum(buf[K], n);
   if (!std::isfinite(loss) || !std::isfinite(kl)) {
-    ppo_chunk_f64<idx_t, TIS, GRAD>(a, t0, n, w, p, buf);
+    ppo_chunk_f64<idx_t, float, TIS, GRAD>(a, t0, n, w, p, buf);
     return;
   }
   p[kLoss] += loss * w;
@@ -144,6 +150,15 @@ CRF_INLINE void ppo_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w
   const double rm = crf::lane_max(buf[R], n);  // finite here (a NaN or inf ratio makes the KL sum so)
   const double pm = p[kRatioMax];
   p[kRatioMax] = pm != pm ? pm : (rm > pm ? rm : pm);
+}
+
+// The chunk function of the block walk: float32 inputs as above; float64 ones in float64 throughout.
+template <typename idx_t, typename in_t, bool TIS, bool GRAD>
+CRF_INLINE void ppo_chunk(const Args<idx_t, in_t>& a, int64_t t0, int64_t t1, double w, double* p) {
+  if constexpr (std::is_same_v<in_t, double>)
+    ppo_chunk_f64<idx_t, in_t, TIS, GRAD>(a, t0, t1 - t0, w, p, nullptr);
+  else
+    ppo_chunk32<idx_t, TIS, GRAD>(a, t0, t1, w, p);
 }
 
 }  // namespace
@@ -161,20 +176,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_cpu(
       crf::check_ppo_inputs(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, cu_seqlens, seg_scale,
                             /*cuda=*/false);
   if (cu_seqlens) crf::check_offsets_host("ppo_policy_loss", *cu_seqlens, T);
-  auto f32 = logprobs.options();
-  at::Tensor grad = crf::grad_output(need_grad, T, f32);
+  auto f32 = logprobs.options().dtype(at::kFloat);
+  at::Tensor grad = crf::grad_output(need_grad, T, logprobs.options());  // the inputs' type
   const int64_t n_blocks = crf::n_blocks(T);
   at::Tensor part = at::empty({n_blocks, kParts}, f32.dtype(at::kDouble));
 
-  crf::dispatch(cu_seqlens, rollout_logprobs.has_value(), need_grad, [&](auto idx_tag, auto tis, auto grad_on) {
-    using idx_t = decltype(idx_tag);
-    Args<idx_t> a{logprobs.data_ptr<float>(), old_logprobs.data_ptr<float>(), advantages.data_ptr<float>(),
-                  rollout_logprobs ? rollout_logprobs->data_ptr<float>() : nullptr, loss_mask.data_ptr<bool>(),
-                  cu_seqlens ? cu_seqlens->data_ptr<idx_t>() : nullptr, seg_scale.data_ptr<double>(), S, T,
-                  (float)(1.0 - clip_low), (float)(1.0 + clip_high), (float)dual_clip, (float)tis_cap,
-                  need_grad ? grad.data_ptr<float>() : nullptr, part.data_ptr<double>(), 1.0 - clip_low,
-                  1.0 + clip_high, crf::dual_clip_f64(dual_clip), tis_cap};
-    crf::parallel_blocks<ppo_chunk<idx_t, tis, grad_on>, kParts>(a);
+  crf::dispatch_float(logprobs, [&](auto in_tag) {
+    using in_t = decltype(in_tag);
+    crf::dispatch(cu_seqlens, rollout_logprobs.has_value(), need_grad, [&](auto idx_tag, auto tis, auto grad_on) {
+      using idx_t = decltype(idx_tag);
+      Args<idx_t, in_t> a{logprobs.data_ptr<in_t>(), old_logprobs.data_ptr<in_t>(), advantages.data_ptr<in_t>(),
+                          rollout_logprobs ? rollout_logprobs->data_ptr<in_t>() : nullptr, loss_mask.data_ptr<bool>(),
+                          cu_seqlens ? cu_seqlens->data_ptr<idx_t>() : nullptr, seg_scale.data_ptr<double>(), S, T,
+                          (float)(1.0 - clip_low), (float)(1.0 + clip_high), (float)dual_clip, (float)tis_cap,
+                          need_grad ? grad.data_ptr<in_t>() : nullptr, part.data_ptr<double>(), 1.0 - clip_low,
+                          1.0 + clip_high, crf::dual_clip_f64(dual_clip), tis_cap};
+      crf::parallel_blocks<ppo_chunk<idx_t, in_t, tis, grad_on>, kParts>(a);
+    });
   });
 
   // fixed-order reduction of the partials

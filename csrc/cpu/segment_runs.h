@@ -164,4 +164,13 @@ void dispatch(const std::optional<at::Tensor>& cu_seqlens, bool a, bool b, const
     cases(int64_t{});
 }
 
+// Calls f(float{}) or, for a float64 `t`, f(double{}): the loss kernels' input type.
+template <typename F>
+void dispatch_float(const at::Tensor& t, const F& f) {
+  if (t.scalar_type() == at::kDouble)
+    f(double{});
+  else
+    f(float{});
+}
+
 }  // namespace crf

@@ -51,7 +51,11 @@ CRF_INLINE void bwd_rows(const scalar_t* h, const float* w, const float* g, scal
     const float gt = g[t];
     if (dh != nullptr) {
       scalar_t* d = dh + t * H;
-      for (int64_t i = 0; i < H; ++i) d[i] = static_cast<scalar_t>(gt * w[i]);
+      // a zero-gradient row (a masked token) gets 0, not 0 * an inf/NaN weight
+      if (gt == 0.0f)
+        for (int64_t i = 0; i < H; ++i) d[i] = scalar_t(0);
+      else
+        for (int64_t i = 0; i < H; ++i) d[i] = static_cast<scalar_t>(gt * w[i]);
     }
     // a row with a zero gradient (a masked token) adds nothing, even if it holds inf/NaN (0 * NaN = NaN)
     if (part != nullptr && gt != 0.0f) {

@@ -25,15 +25,16 @@ namespace {
 // Per-block partials, in this order. e = returns - values.
 enum { kLoss, kTokens, kClipped, kSumV, kSumR, kM2R, kSumE, kM2E, kParts };
 
-template <typename idx_t>
+// in_t: the inputs' and the gradient's type, float or double (a float64 input is computed in float64).
+template <typename idx_t, typename in_t>
 struct Args {
-  const float *v, *old, *ret;
+  const in_t *v, *old, *ret;
   const bool* mask;
   const idx_t* cu;      // [S+1] or nullptr (one segment)
   const double* scale;  // [S]
   int64_t S, T;
   float eps;
-  float* grad;   // [T] or nullptr
+  in_t* grad;    // [T] or nullptr
   double* part;  // [n_blocks, kParts]
   double eps64;  // eps in float64 (the float64 pass)
 };
@@ -60,7 +61,7 @@ enum { L, V, R, E, N, C, Q, NB };
 // (value_chunk_f64) rounded as long as every term is finite; value_chunk redoes the chunk in float64
 // when one is not.
 template <typename idx_t, bool CLIP, bool GRAD>
-CRF_INLINE void value_map(const Args<idx_t>& a, int64_t t0, int64_t n, float wf, float (*buf)[crf::kChunk]) {
+CRF_INLINE void value_map(const Args<idx_t, float>& a, int64_t t0, int64_t n, float wf, float (*buf)[crf::kChunk]) {
   const uint8_t* __restrict mask = reinterpret_cast<const uint8_t*>(a.mask) + t0;
   const float* __restrict vp = a.v + t0;
   const float* __restrict op = a.old + t0;
@@ -87,28 +88,33 @@ CRF_INLINE void value_map(const Args<idx_t>& a, int64_t t0, int64_t n, float wf,
 // moment that is not finite. Sums and moments are formed again in float64; a token whose float32 loss is
 // finite keeps the float32 pass's loss and gradient (the float64 ones rounded; its gradient keeps its
 // bits); any other trainable token is done in float64 by crf::value_token_f64 (csrc/common/ppo_math.h; the
-// CUDA kernel redoes the same tokens with it). Adds into p. noinline: the float32 loop stays small.
-template <typename idx_t, bool CLIP, bool GRAD>
-__attribute__((noinline)) void value_chunk_f64(const Args<idx_t>& a, int64_t t0, int64_t n, double w, double* p,
-                                               const float (*buf)[crf::kChunk]) {
+// CUDA kernel redoes the same tokens with it). float64 inputs (in_t = double) have no float32 pass (buf is
+// null): every token is done here. Adds into p. noinline: the float32 loop stays small.
+template <typename idx_t, typename in_t, bool CLIP, bool GRAD>
+__attribute__((noinline)) void value_chunk_f64(const Args<idx_t, in_t>& a, int64_t t0, int64_t n, double w,
+                                               double* p, const float (*buf)[crf::kChunk]) {
+  constexpr bool f32 = std::is_same_v<in_t, float>;
   const double eps = a.eps64;
   double loss = 0.0, nb = 0.0, clips = 0.0, sv = 0.0, sr = 0.0, se = 0.0;
   for (int64_t i = t0; i < t0 + n; ++i) {
-    if (!a.mask[i]) continue;  // the float32 pass wrote its 0 gradient
+    if (!a.mask[i]) {  // the float32 pass wrote its 0 gradient
+      if (GRAD && !f32) a.grad[i] = 0.0;
+      continue;
+    }
     const double v = a.v[i], ret = a.ret[i];
     nb += 1.0;
     sv += v;
     sr += ret;
     se += ret - v;
     const int64_t j = i - t0;
-    if (std::isfinite(buf[L][j])) {
+    if (f32 && std::isfinite(buf[L][j])) {
       loss += (double)buf[L][j] * w;
       clips += buf[C][j];
       continue;
     }
     const crf::ValueToken64 o = crf::value_token_f64(v, CLIP ? (double)a.old[i] : v, ret, CLIP ? eps : -1.0, w);
     loss += o.lw;
-    if (GRAD) a.grad[i] = (float)o.grad;
+    if (GRAD) a.grad[i] = (in_t)o.grad;
     clips += o.clipped ? 1.0 : 0.0;
   }
   if (nb <= 0.0) return;
@@ -129,9 +135,9 @@ __attribute__((noinline)) void value_chunk_f64(const Args<idx_t>& a, int64_t t0,
   p[kTokens] = n0 + nb;
 }
 
-// Tokens [t0, t1) (at most kChunk) of one segment with reduction weight w; adds into p.
+// Tokens [t0, t1) (at most kChunk) of one segment with reduction weight w, float32 inputs; adds into p.
 template <typename idx_t, bool CLIP, bool GRAD>
-CRF_INLINE void value_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double w, double* p) {
+CRF_INLINE void value_chunk32(const Args<idx_t, float>& a, int64_t t0, int64_t t1, double w, double* p) {
   float buf[NB][crf::kChunk];
   const int64_t n = t1 - t0;
   const float wf = (float)w;
@@ -154,7 +160,7 @@ CRF_INLINE void value_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double
   // a term that is not finite (NaN or inf input, a square past float32: the sums or moments are then inf
   // or NaN): the chunk again in float64, whose results these are otherwise (rounded)
   if (!std::isfinite(loss + sv + sr + se + m2[0] + m2[1])) {
-    value_chunk_f64<idx_t, CLIP, GRAD>(a, t0, n, w, p, buf);
+    value_chunk_f64<idx_t, float, CLIP, GRAD>(a, t0, n, w, p, buf);
     return;
   }
   const double n0 = p[kTokens];
@@ -164,6 +170,15 @@ CRF_INLINE void value_chunk(const Args<idx_t>& a, int64_t t0, int64_t t1, double
   merge_moments(n0, p[kSumR], p[kM2R], nb, sr, m2[0]);
   merge_moments(n0, p[kSumE], p[kM2E], nb, se, m2[1]);
   p[kTokens] = n0 + nb;
+}
+
+// The chunk function of the block walk: float32 inputs as above; float64 ones in float64 throughout.
+template <typename idx_t, typename in_t, bool CLIP, bool GRAD>
+CRF_INLINE void value_chunk(const Args<idx_t, in_t>& a, int64_t t0, int64_t t1, double w, double* p) {
+  if constexpr (std::is_same_v<in_t, double>)
+    value_chunk_f64<idx_t, in_t, CLIP, GRAD>(a, t0, t1 - t0, w, p, nullptr);
+  else
+    value_chunk32<idx_t, CLIP, GRAD>(a, t0, t1, w, p);
 }
 
 }  // namespace
@@ -191,18 +206,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(
   const int64_t S =
       crf::check_value_inputs(values, old_values, returns, loss_mask, cu_seqlens, seg_scale, /*cuda=*/false);
   if (cu_seqlens) crf::check_offsets_host("value_loss", *cu_seqlens, T);
-  auto f32 = values.options();
-  at::Tensor grad = crf::grad_output(need_grad, T, f32);
+  auto f32 = values.options().dtype(at::kFloat);
+  at::Tensor grad = crf::grad_output(need_grad, T, values.options());  // the inputs' type
   const int64_t n_blocks = crf::n_blocks(T);
   at::Tensor part = at::empty({n_blocks, kParts}, f32.dtype(at::kDouble));
 
-  crf::dispatch(cu_seqlens, clip >= 0.0, need_grad, [&](auto idx_tag, auto use_clip, auto grad_on) {
-    using idx_t = decltype(idx_tag);
-    Args<idx_t> a{values.data_ptr<float>(), old_values.data_ptr<float>(), returns.data_ptr<float>(),
-                  loss_mask.data_ptr<bool>(), cu_seqlens ? cu_seqlens->data_ptr<idx_t>() : nullptr,
-                  seg_scale.data_ptr<double>(), S, T, (float)clip, need_grad ? grad.data_ptr<float>() : nullptr,
-                  part.data_ptr<double>(), clip};
-    crf::parallel_blocks<value_chunk<idx_t, use_clip, grad_on>, kParts>(a);
+  crf::dispatch_float(values, [&](auto in_tag) {
+    using in_t = decltype(in_tag);
+    crf::dispatch(cu_seqlens, clip >= 0.0, need_grad, [&](auto idx_tag, auto use_clip, auto grad_on) {
+      using idx_t = decltype(idx_tag);
+      Args<idx_t, in_t> a{values.data_ptr<in_t>(), old_values.data_ptr<in_t>(), returns.data_ptr<in_t>(),
+                          loss_mask.data_ptr<bool>(), cu_seqlens ? cu_seqlens->data_ptr<idx_t>() : nullptr,
+                          seg_scale.data_ptr<double>(), S, T, (float)clip,
+                          need_grad ? grad.data_ptr<in_t>() : nullptr, part.data_ptr<double>(), clip};
+      crf::parallel_blocks<value_chunk<idx_t, in_t, use_clip, grad_on>, kParts>(a);
+    });
   });
 
   double loss = 0.0, n = 0.0, nc = 0.0, sv = 0.0;

@@ -218,13 +218,17 @@ def test_explained_variance_of_huge_values(request, monkeypatch, backend, scale)
 
 
 HEAD_CASES = [("h=nan", "hidden", NAN), ("h=+inf", "hidden", INF), ("old=nan", "old_values", NAN),
-              ("ret=nan", "returns", NAN), ("ret=+inf", "returns", INF)]
+              ("ret=nan", "returns", NAN), ("ret=+inf", "returns", INF),
+              # the head's weight (every token's value NaN or inf): a masked token's d_hidden is still 0 (issue 55)
+              ("w=nan", "weight", NAN), ("w=-inf", "weight", -INF)]
 
 
 @pytest.mark.parametrize("where", ["trainable", "frozen"])
 @pytest.mark.parametrize("name,key,val", HEAD_CASES, ids=[c[0] for c in HEAD_CASES])
-@pytest.mark.parametrize("backend", LOSS_BACKENDS)
+@pytest.mark.parametrize("backend", LOSS_BACKENDS + ["torch-tuned"])
 def test_value_head_loss(backend, name, key, val, where):
+    if key == "weight" and where == "frozen":
+        pytest.skip("the weight is not per token: the trainable case covers it")
     g = torch.Generator().manual_seed(7)
     H = 24
     hidden, w, b = torch.randn(T, H, generator=g), torch.randn(H, generator=g) * 0.2, torch.randn(1, generator=g)
@@ -232,6 +236,8 @@ def test_value_head_loss(backend, name, key, val, where):
     at = TRAIN if where == "trainable" else FROZEN
     if key == "hidden":
         hidden[at, 3] = val
+    elif key == "weight":
+        w[3] = val
     else:
         x[key][at] = val
     mask = _mask()
@@ -253,6 +259,72 @@ def test_value_head_loss(backend, name, key, val, where):
         same(got[1][k], want[1][k], k)
     for name_, a, r in zip(("d_hidden", "d_weight", "d_bias"), got[2:], want[2:]):
         same(a, r, name_)
+
+
+# ---------------------------------------------------------------- float64 inputs of the losses (issue 55)
+
+# (op, input, value): values near 1e300 are finite in float64 only (a float32 copy would be +-inf)
+F64_CASES = [("ppo_policy_loss", "advantages", 1e300), ("ppo_policy_loss", "advantages", -1e300),
+             ("ppo_policy_loss", "old_logprobs", 1e300), ("ppo_policy_loss", "old_logprobs", -1e300),
+             ("ppo_policy_loss", "logprobs", -1e300), ("ppo_policy_loss", "rollout_logprobs", 1e300),
+             ("value_loss", "values", 1e300), ("value_loss", "values", -1e300), ("value_loss", "returns", 1e300),
+             ("value_loss", "returns", -1e300), ("value_loss", "old_values", 1e300)]
+
+
+# and the input that gets the gradient: float64 too, or float32 (only the others float64; 1e300 is no float32)
+F64_PARAMS = [(*c, gd) for c in F64_CASES for gd in (torch.float64, torch.float32)
+              if gd == torch.float64 or c[1] not in ("logprobs", "values")]
+
+
+@pytest.mark.parametrize("op,key,val,grad_dtype", F64_PARAMS,
+                         ids=[f"{c[1]}={c[2]:g}-grad-{str(c[3])[6:]}" for c in F64_PARAMS])
+@pytest.mark.parametrize("backend", LOSS_BACKENDS + ["auto"])
+def test_float64_inputs(backend, op, key, val, grad_dtype):
+    """float64 inputs are computed in float64 by cpp ("auto" on CPU) and the reference: the same loss, metrics
+    and gradient (float64 for a float64 input, to a few float64 roundings), values near 1e300 included, on
+    trainable and masked tokens; triton refuses them (docs/ops.md, "float64 inputs")."""
+    policy = op == "ppo_policy_loss"
+    first = "logprobs" if policy else "values"
+    x = {k: t.double() for k, t in (_policy_inputs() if policy else _value_inputs()).items()}
+    x[key][[TRAIN, FROZEN]] = val
+    mask = _mask()
+    kw = dict(cu_seqlens=CU, cu_segments=CU_SEG, reduction="segment-mean")
+    if policy:
+        kw.update(dual_clip=3.0, rollout_logprobs=x.pop("rollout_logprobs"), tis_cap=2.0)
+    else:
+        kw.update(clip=0.2)
+    rest = [x[k] for k in (("old_logprobs", "advantages") if policy else ("old_values", "returns"))]
+
+    def run(fn, **b):
+        leaf = x[first].to(grad_dtype).requires_grad_()
+        loss, m = fn(leaf, *rest, mask, **kw, **b)
+        return loss, m, torch.autograd.grad(loss, leaf)[0]
+
+    fn = crf.ppo_policy_loss if policy else crf.value_loss
+    if backend == "triton":
+        with pytest.raises(ValueError, match="float64 inputs .* backend='cpp'"):
+            run(fn, backend=backend)
+        return
+    want, got = run(getattr(ref, op)), run(fn, backend=backend)
+    same(got[0], want[0], "loss")
+    for k in want[1]:
+        same(got[1][k], want[1][k], k)
+    assert got[2].dtype == grad_dtype and (got[2][~mask] == 0).all()
+    rtol = 1e-12 if grad_dtype == torch.float64 else 2e-7  # a float32 gradient: the float64 one rounded
+    torch.testing.assert_close(got[2], want[2], rtol=rtol, atol=0.0, equal_nan=True)
+
+
+@pytest.mark.parametrize("op", ["ppo_policy_loss", "value_loss"])
+def test_float64_inputs_are_refused_by_the_float32_kernels(op):
+    """The Triton and CUDA loss kernels read float32: a float64 input is a ValueError there, also for "auto" on
+    CUDA tensors (ops/_dispatch.py `_op_rule`), never a float32 copy that turns 1e300 into inf."""
+    from compactionrl_fast.ops._dispatch import _op_rule
+
+    for asked, b in (("auto", "triton"), ("auto", "cuda"), ("triton", "triton"), ("cuda", "cuda")):
+        with pytest.raises(ValueError, match=f"{op}: float64 inputs .* the {b} kernels read float32"):
+            _op_rule(op, asked, b, "cuda", torch.float64, False)
+        assert _op_rule(op, asked, b, "cuda", torch.float32, False) == b
+    assert _op_rule(op, "auto", "cpp", "cpu", torch.float64, False) == "cpp"
 
 
 # ---------------------------------------------------------------- segment_gae

@@ -12,6 +12,8 @@ import torch
 from compactionrl_fast.app import runner
 from compactionrl_fast.rollout import loop
 from compactionrl_fast.rollout.engines.transformers_engine import TransformersEngine
+from compactionrl_fast.rollout.metrics import GAE_KEYS, rollout_facts
+from compactionrl_fast.rollout.metrics import compaction_metrics as vocabulary
 from compactionrl_fast.train import dist, log as train_log, loop as train_loop, trainer
 from compactionrl_fast.train.log import MetricsLog, rollout_metrics
 from compactionrl_fast.train.loop import EVAL_SEED_BASE, evaluate, fit
@@ -142,6 +144,10 @@ def _check_rows(run):
         assert r["time/rollout_s"] + r["time/train_s"] <= run["elapsed"]
         for k, v in rollout_metrics(ro).items():
             assert r[k] == pytest.approx(v)
+        # and the recipe's vocabulary (docs/metrics.md) of the step's rollouts, the scale from the config's GAE
+        want = train_log.compaction_metrics(ro, run["cfg"])
+        assert "compaction/cross_segment_scale/min" in want and "compaction/rollouts" in want
+        assert {k: v for k, v in r.items() if k.startswith("compaction/")} == pytest.approx(want)
     # the actor's metrics only in PPO iterations; the gap (gap_every=2) at iterations 0 and 2 only
     assert "actor/policy_loss" not in rows[0] and "actor/policy_loss" in rows[1] and "actor/grad_norm" in rows[2]
     assert "gap_abs_mean" in rows[0] and "gap_abs_mean" in rows[1] and "gap_abs_mean" not in rows[2]
@@ -310,6 +316,13 @@ def test_fit_on_rank_1_of_2_averages_rollout_metrics(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loop, "run_rollouts", run_rollouts)
     w = _FakeWorld(monkeypatch, rank=1)
+    gathered = []
+
+    def all_gather_object(out, obj, group=None):  # the other rank (0) saw the same segments, all "done"
+        gathered.append((len(out), group))
+        out[:] = [[f._replace(rollout=(0, f.rollout[1]), finish_reason="done") for f in obj], obj]
+
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
     fit(state, engine=engine, make_envs=make_envs, tokenizer=tok, rollout_cfg=rcfg, pack=runner.packer(cfg),
         run_dir=cfg.run_dir, log=Log(), metrics_fn=lambda r: rollouts.append(r) or {}, chat="chat")
     assert [c[0] for c in calls] == [train_loop.train_seeds(cfg, it, 1, 1) for it in range(2)]
@@ -318,4 +331,11 @@ def test_fit_on_rank_1_of_2_averages_rollout_metrics(tmp_path, monkeypatch):
     for (_, m), ro in zip(rows, rollouts):
         for k, v in rollout_metrics(ro).items():
             assert m[k] == pytest.approx(v if k.startswith("info/") else (2 * v + 1) / 2)
+        # the recipe's vocabulary: of both ranks' segments (gathered, not averaged)
+        mine = rollout_facts(ro, ids=[(1, 0)])
+        facts = [f._replace(rollout=(0, 0), finish_reason="done") for f in mine] + mine
+        gae = {k: getattr(cfg, k) for k in GAE_KEYS}
+        assert {k: v for k, v in m.items() if k.startswith("compaction/")} == pytest.approx(vocabulary(facts, gae))
+        assert m["compaction/rollouts"] == 2
+    assert gathered == [(2, "g")] * 2
     assert w.calls and all(c[3] == "g" for c in w.calls)

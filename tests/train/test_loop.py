@@ -58,7 +58,8 @@ class _Harness:
 
 def _rollout(reward, compactions=1):
     return SimpleNamespace(reward=reward, success=reward > 0, compactions=compactions, truncated=False,
-                           finish_reason="answer", turns=[0, 1], summary_lengths=[3] * compactions, info={})
+                           finish_reason="answer", turns=[0, 1], summary_lengths=[3] * compactions, info={},
+                           segments=[])
 
 
 class _RolloutCfg:
@@ -105,6 +106,8 @@ def test_fit_takes_the_largest_gap_over_ranks(monkeypatch):
     (it, m), = h.logged
     assert m["sampler/logp_absdiff_max"] == 1.5 and ("g" in [c[3] for c in w.calls])
     assert m["success"] == (1.0 + 2.0) / 2  # this rank's 1.0 plus the fake other rank's
+    # the compaction/... vocabulary of the facts gathered over the ranks (the fake: this rank's twice)
+    assert ("object", "cpu", 2, "g") in w.calls and m["compaction/finish_reason/answer"] == 1.0
 
 
 def test_rollouts_fn_picks_episodes_for_an_async_engine():

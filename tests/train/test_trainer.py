@@ -143,6 +143,35 @@ def test_rollout_metrics_by_hand():
                                    "errors": 0.0, "turns": 0.0, "summary_tokens": 0.0}
 
 
+def test_compaction_metrics_by_hand():
+    """train.log.compaction_metrics: the recipe's vocabulary (docs/metrics.md) of Rollout records, the scale from
+    the config's GAE options; a rollout without segments counts with 0 segments."""
+    from types import SimpleNamespace
+
+    from compactionrl_fast.rollout import Rollout, Segment
+    from compactionrl_fast.rollout.metrics import names
+    from compactionrl_fast.train.log import compaction_metrics
+
+    seg = lambda kind, n: Segment(kind, [0] * (n + 1), [False] + [True] * n, [0.0] * (n + 1))  # noqa: E731
+    a = Rollout(segments=[seg("exec", 3), seg("summary", 2), seg("exec", 1)], compactions=1, finish_reason="max_turns")
+    b = Rollout(segments=[seg("exec", 4)], finish_reason="done")
+    c = Rollout(finish_reason="error", error="boom")
+    cfg = SimpleNamespace(gamma=1.0, lam=0.5, cross_segment="paper", adaptive_alpha=1.5, adaptive_length="rollout")
+    m = compaction_metrics([a, b, c], cfg)
+    assert set(m) == names(reasons=("done", "error", "max_turns"))
+    assert m == pytest.approx({
+        "compaction/rollouts": 3, "compaction/compactions_per_rollout/mean": 1 / 3,
+        "compaction/compactions_per_rollout/max": 1, "compaction/segments_per_rollout/mean": 4 / 3,
+        "compaction/segments_per_rollout/max": 3, "compaction/summary_tokens_per_rollout/mean": 2 / 3,
+        "compaction/summary_tokens_per_rollout/max": 2, "compaction/trainable_tokens_per_segment/exec/mean": 8 / 3,
+        "compaction/trainable_tokens_per_segment/summary/mean": 2, "compaction/trainable_tokens_share/exec": 0.8,
+        "compaction/trainable_tokens_share/summary": 0.2, "compaction/cross_segment_scale/mean": 2.625 / 4,
+        "compaction/cross_segment_scale/min": 0.125, "compaction/finish_reason/done": 1 / 3,
+        "compaction/finish_reason/error": 1 / 3, "compaction/finish_reason/max_turns": 1 / 3})
+    assert set(compaction_metrics([a, b, c])) == names(reasons=("done", "error", "max_turns"), scale=False)
+    assert compaction_metrics([]) == {}
+
+
 def test_concat_layout_and_denominator_over_micro_batches():
     from compactionrl_fast.packing import pack
     from compactionrl_fast.rollout import Rollout, Segment
@@ -383,7 +412,8 @@ def test_metrics_log_sends_finite_numbers_to_tensorboard(tmp_path):
 
 class _FakeWorld:
     """Rank `rank` of 2 for train/dist.world and torch.distributed: all_reduce adds the other rank's tensor,
-    which is this one's plus 1, 2, 3, ... by position (known, so the sum tells where each value went)."""
+    which is this one's plus 1, 2, 3, ... by position (known, so the sum tells where each value went);
+    all_gather_object gives this rank's object for both."""
 
     def __init__(self, monkeypatch, rank=0, backend="gloo"):
         from compactionrl_fast.train import dist
@@ -393,6 +423,10 @@ class _FakeWorld:
         monkeypatch.setattr(torch.distributed, "get_backend",
                             lambda group=None: self.backend_groups.append(group) or backend)
         monkeypatch.setattr(torch.distributed, "all_reduce", self.all_reduce)
+        # all_gather_object (the loop's compaction/... facts): every rank's object is this one's
+        monkeypatch.setattr(torch.distributed, "all_gather_object",
+                            lambda out, obj, group=None: self.calls.append(("object", "cpu", len(out), group))
+                            or out.__setitem__(slice(None), [obj] * len(out)))
 
     def all_reduce(self, t, op=None, group=None):
         self.calls.append((t.dtype, t.device.type, t.numel(), group))

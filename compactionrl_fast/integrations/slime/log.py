@@ -3,57 +3,61 @@
     --custom-rollout-log-function-path compactionrl_fast.integrations.slime.log_rollout
     --custom-eval-rollout-log-function-path compactionrl_fast.integrations.slime.log_eval_rollout
 
-Each logs `compaction/...` (eval: `eval/<dataset>/compaction/...`) through slime's `logging_utils.log` (wandb,
-tensorboard, whichever is on) and one `compaction <rollout_id>: {...}` (`compaction eval <rollout_id>: {...}`)
-line with Python's logging, then returns False so that slime logs its own metrics as well. Read from the
-samples `generate` returns (`metadata["compaction"]`, `loss_mask`); samples of another generate function are
-not counted.
+Each logs the recipe's vocabulary (docs/metrics.md), `compaction/...` (eval: `eval/<dataset>/compaction/...`),
+through slime's `logging_utils.log` (wandb, tensorboard, whichever is on) and one `compaction <rollout_id>: {...}`
+(`compaction eval <rollout_id>: {...}`) line with Python's logging, then returns False so that slime logs its own
+metrics as well. Read from the samples `generate` returns (`metadata["compaction"]`, `["round_number"]`,
+`loss_mask`); samples of another generate function are not counted. The cross-segment scale of a train step comes
+from the GAE options in slime's args (what `compute_advantages` reads); eval logs no token-based names.
 """
 from __future__ import annotations
 
 import logging
-from collections import Counter
+
+from ...rollout.metrics import SegmentFact, compaction_metrics
+from ._options import advantage_options
 
 logger = logging.getLogger(__name__)
 
 
-def rollout_metrics(samples) -> dict:
-    """Per rollout (samples sharing rollout_id): compactions, segments and summary tokens (mean); per segment
-    kind: trainable tokens per segment (mean); finish reasons (fraction of rollouts); rollouts counted."""
-    by = {}
+def _facts(samples, tokens=True) -> list:
+    """One SegmentFact per sample of our generate (`metadata["compaction"]`, `["round_number"]`): the rollout
+    is `rollout_id` (else `index`), the trainable tokens the sum of `loss_mask` (None with tokens=False); a
+    sample of an episode whose environment failed at reset has kind None (a rollout with no segment)."""
+    out = []
     for s in samples:
-        info = (s.metadata or {}).get("compaction")
-        if info is not None:
-            by.setdefault(s.rollout_id if s.rollout_id is not None else s.index, []).append((s, info))
-    if not by:
-        return {}
-    trainable, reasons = {}, Counter()
-    per_rollout = {"compactions": [], "segments": [], "summary_tokens": []}
-    for segs in by.values():
-        info = segs[0][1]
-        per_rollout["compactions"].append(info["compactions"])
-        per_rollout["segments"].append(info["segments"])
-        per_rollout["summary_tokens"].append(sum(sum(s.loss_mask or ()) for s, i in segs if i["kind"] == "summary"))
-        reasons[info["finish_reason"]] += 1
-        for s, i in segs:
-            if i["kind"] is not None:  # None: an episode whose environment failed at reset
-                trainable.setdefault(i["kind"], []).append(sum(s.loss_mask or ()))
-    n = len(by)
-    out = {f"compaction/{k}_per_rollout": sum(v) / n for k, v in per_rollout.items()}
-    out |= {f"compaction/trainable_tokens_per_{kind}_segment": sum(v) / len(v) for kind, v in trainable.items()}
-    out |= {f"compaction/finish_reason/{r}": c / n for r, c in sorted(reasons.items())}
-    out["compaction/rollouts"] = n
+        meta = s.metadata or {}
+        info = meta.get("compaction")
+        if info is None:
+            continue
+        out.append(SegmentFact(s.rollout_id if s.rollout_id is not None else s.index, int(meta["round_number"]),
+                               info["kind"], sum(s.loss_mask or ()) if tokens else None, info["compactions"],
+                               info["finish_reason"]))
     return out
 
 
+def gae_from_args(args):
+    """The GAE options `compute_advantages` reads from slime's args (`--gamma`, the `compaction_*` keys,
+    `_options.advantage_options`), or None without args."""
+    return None if args is None else advantage_options(args)[0]
+
+
+def rollout_metrics(samples, args=None) -> dict:
+    """The vocabulary of docs/metrics.md (`rollout.metrics.compaction_metrics`) of one rollout step's samples
+    (a rollout: the samples sharing rollout_id). `args`: slime's args, whose GAE options give the
+    cross-segment scale; None leaves the scale out."""
+    return compaction_metrics(_facts(samples), gae_from_args(args))
+
+
 def eval_metrics(data) -> dict:
-    """rollout_metrics of each eval dataset's samples (slime's eval data: {name: {"samples": [...], ...}}), keys
+    """The vocabulary of each eval dataset's samples (slime's eval data: {name: {"samples": [...], ...}}), keys
     prefixed `eval/<name>/`. With `generate(..., evaluation=True)` each rollout returns its last segment only,
-    which carries the rollout's counts and finish reason; the per-kind and summary token counts are left out."""
+    which carries the rollout's counts, finish reason and segment index; the names that need every segment's
+    trainable tokens (per-kind tokens and shares, summary tokens, the cross-segment scale) are left out."""
     out = {}
     for name, d in data.items():
-        m = rollout_metrics(d.get("samples") or [])
-        out |= {f"eval/{name}/{k}": v for k, v in m.items() if "tokens" not in k}
+        m = compaction_metrics(_facts(d.get("samples") or [], tokens=False))
+        out |= {f"eval/{name}/{k}": v for k, v in m.items()}
     return out
 
 
@@ -69,7 +73,7 @@ def _log(args, rollout_id, metrics, step_key, label):
 
 def log_rollout(rollout_id, args, samples, rollout_extra_metrics=None, rollout_time=None):
     """slime's --custom-rollout-log-function-path target (the train rollouts of one step)."""
-    _log(args, rollout_id, rollout_metrics(samples), "rollout/step", "compaction")
+    _log(args, rollout_id, rollout_metrics(samples, args), "rollout/step", "compaction")
     return False
 
 

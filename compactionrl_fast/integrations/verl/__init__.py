@@ -25,3 +25,17 @@ __all__ = ["ADV_ESTIMATOR", "GAE_DEFAULTS", "POLICY_LOSS", "REGISTERED", "Server
            "compaction_advantages", "compaction_metrics", "compaction_options", "compute_advantage",
            "compute_compaction_gae", "compute_policy_loss_compaction", "gae_options", "patch_compute_advantage",
            "register", "session_rows"]
+
+from .._registry import IntegrationSpec, declare  # noqa: E402
+
+SPEC = declare(IntegrationSpec(
+    name="verl", framework="verl",
+    reference_tests=("tests/integrations/verl/test_agent.py::test_trainer_mode_compute_advantage_on_verl_layout",
+                     "tests/integrations/verl/job/test_job.py::test_advantages_and_returns_equal_the_float64_reference"),
+    job_test="tests/integrations/verl/job/test_job.py", make_target="test-verl-job",
+    bad_input_tests=("tests/integrations/verl/job/test_job.py::test_a_short_values_row_at_dp2_stops_the_job_with_the_error",
+                     "tests/integrations/verl/test_agent.py::test_trainer_mode_rejects_a_row_of_another_length"),
+    metrics="compactionrl_fast.integrations.verl.log:compaction_metrics",
+    metrics_tests=("tests/integrations/verl/test_agent.py::test_compaction_metrics_keys_are_exactly_the_vocabularys",
+                   "tests/integrations/verl/job/test_job.py::test_the_job_runs_and_logs_what_users_watch"),
+))

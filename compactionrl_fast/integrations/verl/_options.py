@@ -44,3 +44,28 @@ def compaction_options(config):
         raise ValueError(f"algorithm.{ADV_ESTIMATOR}.critic_target must be one of {CRITIC_TARGETS}, got {target!r}")
     flags["critic_target"] = target
     return kw, flags
+
+
+def rollout_overrides(rcfg, prefix="+compaction.rollout."):
+    """Hydra overrides for the `compaction.rollout` fields of `rcfg` (a RolloutConfig) that differ from the
+    defaults: what a launch must pass for the agent loop to roll out as `rcfg` does. Text fields are quoted (a
+    resume template's braces would read as a Hydra dict)."""
+    import dataclasses
+
+    from ...rollout.config import RolloutConfig
+
+    out, default = [], RolloutConfig()
+    for f in dataclasses.fields(rcfg):
+        v = getattr(rcfg, f.name)
+        if v == getattr(default, f.name):
+            continue
+        if isinstance(v, str):
+            if "'" in v:
+                raise ValueError(f"compaction.rollout.{f.name}: {v!r} has a quote, which a Hydra override cannot carry")
+            v = f"'{v}'"
+        elif isinstance(v, (tuple, list)):
+            v = "[" + ",".join(map(str, v)) + "]"
+        elif v is None:
+            v = "null"
+        out.append(f"{prefix}{f.name}={v}")
+    return out

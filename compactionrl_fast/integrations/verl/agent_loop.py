@@ -10,7 +10,9 @@ Config: the `compaction` section of verl's trainer config (`+compaction.env=...`
     compaction.env_kwargs   dict (default {})
     compaction.seed_key     dataset field whose value is env.reset's seed (default "index"; looked up in the
                             sample, then in its extra_info); the rollout.n sessions of a prompt share it
-    compaction.rollout      RolloutConfig fields (budget, compact_threshold, keep_recent_turns, ...)
+    compaction.rollout      RolloutConfig fields (budget, compact_threshold, keep_recent_turns, ...); with
+                            `seed` set, sampling is reproducible: each session samples with its own seed
+                            (`session_seed`), the same whichever server or data-parallel layout runs it
 """
 from __future__ import annotations
 
@@ -87,13 +89,20 @@ def _seed(kwargs, key):
         raise ValueError(f"compaction.seed_key={key!r}: the sample's value {v!r} is not an integer") from None
 
 
+def session_seed(seed, task_seed, session_id):
+    """The sampling seed of one session: a mix of `compaction.rollout.seed`, the sample's task seed and the
+    session's index among the prompt's `rollout.n` (so that sessions of one prompt differ), below 2**31."""
+    return ((int(seed) * 1_000_003 + int(task_seed)) * 1_009 + int(session_id)) % (1 << 31)
+
+
 def segment_outputs(rollout, rollout_id, num_turns=0, metrics=None, global_steps=(None, None)):
     """One AgentLoopOutput per segment of `rollout` that has a trainable token, in order.
 
     prompt_ids: the segment's tokens before its first sampled token; response_ids: the rest, with
     response_mask 1 on sampled tokens (observations and chat scaffolding 0) and the sampler's log-probs.
     The last output carries the reward (verl copies it onto the others). extra_fields: segment_index,
-    rollout_id, segment_kind, compactions, finish_reason, reward_extra_info (the environment's info), and
+    rollout_id, seed (the environment's reset seed), segment_kind, compactions, finish_reason,
+    reward_extra_info (the environment's info), and
     what verl's own loops set: min_global_steps / max_global_steps (the first and last weight version the
     rollout was sampled with; verl's metrics and staleness control read them), turn_scores, tool_rewards.
     """
@@ -106,7 +115,7 @@ def segment_outputs(rollout, rollout_id, num_turns=0, metrics=None, global_steps
             response_mask=[int(m) for m in s.loss_mask[start:]], response_logprobs=list(s.logprobs[start:]),
             num_turns=num_turns, metrics=metrics or AgentLoopMetrics(),
             reward_score=float(rollout.reward) if i == len(segs) - 1 else None,
-            extra_fields={"segment_index": i, "rollout_id": rollout_id, "segment_kind": s.kind,
+            extra_fields={"segment_index": i, "rollout_id": rollout_id, "seed": rollout.seed, "segment_kind": s.kind,
                           "compactions": rollout.compactions, "finish_reason": rollout.finish_reason,
                           "reward_extra_info": dict(rollout.info), "min_global_steps": global_steps[0],
                           "max_global_steps": global_steps[1], "turn_scores": [], "tool_rewards": []}))
@@ -128,9 +137,13 @@ class CompactionAgentLoop(AgentLoopBase):
                              "trainer.v1.trainer_mode=compaction_sync")
         factory, env_kwargs, seed_key, rcfg = loop_settings(self.config)
         env = factory(**env_kwargs)
-        rollout_id = f"{kwargs.get('uid', 'sample')}_{kwargs.get('session_id', 0)}"
+        session = kwargs.get("session_id", 0)
+        rollout_id = f"{kwargs.get('uid', 'sample')}_{session}"
+        task_seed = _seed(kwargs, seed_key)
+        if rcfg.seed is not None:
+            rcfg = rcfg.replace(seed=session_seed(rcfg.seed, task_seed, session))
         engine = ServerManagerEngine(self.server_manager, sampling_params, request_id=rollout_id)
-        (rollout,) = await arun_rollouts(engine, [env], self.tokenizer, rcfg, seeds=[_seed(kwargs, seed_key)],
+        (rollout,) = await arun_rollouts(engine, [env], self.tokenizer, rcfg, seeds=[task_seed],
                                          chat=ChatFormat(self.tokenizer))
         steps = engine.global_steps
         if steps is None:  # a server that reports no weight version: the step the sample was drawn for

@@ -3,17 +3,21 @@
 
 Imports verl's V1 trainer (it needs TransferQueue); the plug-in (plugin.py) registers the class.
 Selected with `trainer.v1.trainer_mode=compaction_sync`; its options are the `algorithm.compaction_gae`
-keys (_options.py, plus `critic_target`). Everything but the advantage step is verl's sync
+keys (_options.py, plus `critic_target`), and `compaction.train_summary_tokens` (default true; false: the
+ablation, summary tokens out of the policy loss as in our trainer: the critic and the advantages still see
+them, the actor's update does not, token-mean over the execution tokens). Everything but these is verl's sync
 trainer: the replay buffer, refill and checkpoint behaviour (verl compares `trainer_mode` with "sync";
 this class answers "sync" there), the critic and actor updates, `loss_agg_mode`.
 """
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from verl.trainer.ppo.v1 import trainer_base as tb  # its tq, DataProto and helpers, read at call time
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
+from .._common import cfg_get
 from .advantages import check_row_lengths, compaction_advantages
 from .log import compaction_metrics
 
@@ -91,3 +95,29 @@ class CompactionSyncTrainer(PPOTrainerSync):
         out = {f: tb.response_to_nested(data.batch[f], response_mask) for f in out_fields}
         return tb.tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
                                   fields=tb.TensorDict(out, batch_size=len(batch)))
+
+    def _update_actor(self, batch, metrics):
+        """verl's actor update; with `compaction.train_summary_tokens=false` the summary rows' masks (verl's
+        `response_mask`, and the `loss_mask` its workers count tokens with) are 0 while the actor trains, so its
+        loss and token count leave them out, then restored for what follows (metrics, the next step)."""
+        train = cfg_get(cfg_get(self.config, "compaction") or {}, "train_summary_tokens", True)
+        if not isinstance(train, bool):
+            raise ValueError(f"compaction.train_summary_tokens must be true or false, got {train!r}")
+        if train:
+            return super()._update_actor(batch, metrics)
+        td = tb.tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                                select_fields=["response_mask", "loss_mask", "extra_fields"])
+        summary = [isinstance(e, dict) and e.get("segment_kind") == "summary" for e in td.pop("extra_fields").tolist()]
+        kept = td.clone()
+
+        def policy(field):
+            rows = [torch.zeros_like(m) if s else m for m, s in zip(td[field].unbind(0), summary)]
+            return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+        fields = [f for f in ("response_mask", "loss_mask") if f in td.keys()]
+        tb.tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                           fields=tb.TensorDict({f: policy(f) for f in fields}, batch_size=len(batch)))
+        try:
+            return super()._update_actor(batch, metrics)
+        finally:
+            tb.tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=kept.select(*fields))

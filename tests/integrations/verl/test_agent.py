@@ -193,6 +193,10 @@ def test_trainer_mode_puts_the_recipe_numbers_into_verl_metrics(tq):
     assert 0 < metrics["compaction/cross_segment_scale/min"] <= metrics["compaction/cross_segment_scale/mean"] <= 1
     share = sum(v for k, v in metrics.items() if k.startswith("compaction/trainable_tokens_share/"))
     assert share == pytest.approx(1.0)
+    from compactionrl_fast.rollout.metrics import names
+
+    kinds = {k.split("/")[2] for k in metrics if k.startswith("compaction/trainable_tokens_share/")}
+    assert {k for k in metrics if k.startswith("compaction/")} == names(kinds=kinds, reasons=("done",))
 
 
 @pytest.mark.parametrize("field,delta", [("values", -1), ("values", 1), ("rm_scores", -1)])
@@ -359,6 +363,24 @@ def test_compaction_metrics_by_hand():
     assert compaction_metrics(keys, mask, [None] * 5) == {}
 
 
+def test_compaction_metrics_keys_are_exactly_the_vocabularys():
+    """The names of rollout.metrics.VOCABULARY (docs/metrics.md) for the rows seen, the vocabulary's own numbers
+    of the rows' facts; the per-kind names only for the kinds present."""
+    from compactionrl_fast.rollout.metrics import SegmentFact, names
+    from compactionrl_fast.rollout.metrics import compaction_metrics as vocabulary_metrics
+
+    keys = ["a_0_1", "a_0_0", "b_0_0", "pad_0_0"]
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1], [1, 1, 1]])
+    extra = [{"segment_kind": "exec", "compactions": 0, "finish_reason": "max_turns"}] * 2 \
+        + [{"segment_kind": "exec", "compactions": 0, "finish_reason": "done"}, {"is_padding": True}]
+    m = compaction_metrics(keys, mask, extra, {"gamma": 0.9})
+    assert set(m) == names(kinds=("exec",), reasons=("done", "max_turns"))
+    facts = [SegmentFact("a_0", 1, "exec", 2, 0, "max_turns"), SegmentFact("a_0", 0, "exec", 3, 0, "max_turns"),
+             SegmentFact("b_0", 0, "exec", 1, 0, "done")]
+    assert m == pytest.approx(vocabulary_metrics(facts, {"gamma": 0.9}))
+    assert m["compaction/cross_segment_scale/min"] == pytest.approx(0.9 ** 2 * (1 - 1 / (1.5 * 5)) ** 2)
+
+
 def test_trainer_mode_rejects_other_estimators(tq):
     keys, _ = _verl_batch(tq, 8, prompts=1)
     cfg = _config()
@@ -387,3 +409,42 @@ def test_plugin_discovered_by_import_verl():
     assert lines == ["CompactionSyncTrainer", "compactionrl_fast.integrations.verl.agent_loop.CompactionAgentLoop",
                      "True True"], out.stdout
     assert verl_plugin.ERRORS == {} and set(verl_plugin.REGISTERED) == {"ops", "agent_loop", "trainer"}
+
+
+@pytest.mark.parametrize("key", [None, True, False])
+def test_the_ablation_key_takes_summaries_out_of_the_actors_update(tq, monkeypatch, key):
+    """`+compaction.train_summary_tokens=false`: while verl's actor update runs, the summary rows' response_mask
+    and loss_mask (what verl's loss reads and counts tokens with) are 0, the execution rows' unchanged (our
+    trainer's policy mask); after it, every mask is back (the critic, GAE and metrics saw and see them all).
+    Unset or true: the update sees the masks as they are."""
+    keys, _ = _verl_batch(tq, 9)
+    before = {k: (tq.rows[k]["response_mask"].clone(), tq.rows[k]["loss_mask"].clone()) for k in keys}
+    kinds = {k: tq.rows[k]["extra_fields"]["segment_kind"] for k in keys}
+    assert set(kinds.values()) == {"exec", "summary"}
+    seen = {}
+
+    def update(self, batch, metrics):  # verl's own update: what its actor workers would read from TransferQueue
+        seen.update({k: (tq.rows[k]["response_mask"].clone(), tq.rows[k]["loss_mask"].clone()) for k in batch.keys})
+        return batch
+
+    monkeypatch.setattr(v1.trainer_base.PPOTrainer, "_update_actor", update)
+    cfg = _config()
+    if key is not None:
+        cfg.compaction = {"train_summary_tokens": key}
+    batch = v1.trainer_base.KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys))
+    _trainer(cfg)._update_actor(batch, {})
+    for k in keys:
+        out = key is False and kinds[k] == "summary"
+        for got, was in zip(seen[k], before[k]):
+            assert torch.equal(got, torch.zeros_like(was) if out else was), (k, kinds[k])
+        assert torch.equal(tq.rows[k]["response_mask"], before[k][0]) and torch.equal(tq.rows[k]["loss_mask"], before[k][1])
+    assert any(kinds[k] == "summary" and before[k][0].any() for k in keys)
+
+
+def test_the_ablation_key_must_be_a_bool(tq):
+    keys, _ = _verl_batch(tq, 2)
+    cfg = _config()
+    cfg.compaction = {"train_summary_tokens": "no"}
+    batch = v1.trainer_base.KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys))
+    with pytest.raises(ValueError, match="compaction.train_summary_tokens must be true or false, got 'no'"):
+        _trainer(cfg)._update_actor(batch, {})

@@ -69,7 +69,9 @@ def test_agent_loop_through_verl_postprocess_equals_run_rollouts(engine, monkeyp
     server = EngineServer(engine)
     sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
     outs = asyncio.run(_loop(_config(), server).run(sampling, uid="p7", session_id=1, index=3, raw_prompt=[]))
+    # the session's sampling seed: compaction.rollout.seed mixed with the task seed and the session index
     cfg = memory_config(**ROLLOUT)
+    cfg = cfg.replace(seed=VA.session_seed(cfg.seed, 3, 1))
     (want,) = run_rollouts(engine, [MemoryEnv(n_digits=4, n_fillers=6)], memory_tokenizer(), cfg, seeds=[3])
     segs = [s for s in want.segments if any(s.loss_mask)]
     assert want.compactions >= 1 and len(segs) == len(outs) >= 3  # compacted: exec, summary, exec, ...
@@ -83,6 +85,7 @@ def test_agent_loop_through_verl_postprocess_equals_run_rollouts(engine, monkeyp
         assert row["response_mask"].tolist() == [int(m) for m in s.loss_mask[start:]]
         torch.testing.assert_close(row["rollout_log_probs"], torch.tensor(s.logprobs[start:], dtype=torch.float32))
         assert row["extra_fields"]["segment_index"] == i and row["extra_fields"]["rollout_id"] == "p7_1"
+        assert row["extra_fields"]["seed"] == 3
         assert row["extra_fields"]["segment_kind"] == s.kind
         assert float(row["rm_scores"].sum()) == want.reward  # verl copied the last output's reward
     assert {r for r, _ in server.calls} == {"p7_1-0"}  # one sticky session
@@ -135,3 +138,13 @@ def test_engine_needs_logprobs():
         asyncio.run(ServerManagerEngine(NoLogprobs()).generate([[1]], 2))
     with pytest.raises(TypeError, match="server_manager"):
         ServerManagerEngine(object())
+
+
+def test_session_seeds_differ_by_task_and_session_and_repeat_exactly():
+    """compaction.rollout.seed: every session of a job gets its own sampling seed, a function of the configured
+    seed, the task seed and the session index only (so a relaunch, or another data-parallel layout, samples the
+    same rollouts), in [0, 2**31)."""
+    seeds = {VA.session_seed(7, task, s) for task in range(50) for s in range(4)}
+    assert len(seeds) == 200 and all(0 <= x < 2 ** 31 for x in seeds)
+    assert VA.session_seed(7, 3, 1) == VA.session_seed(7, 3, 1) != VA.session_seed(8, 3, 1)
+

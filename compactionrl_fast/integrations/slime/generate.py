@@ -108,10 +108,30 @@ def _engine(args, sampling_params):
     return _ENGINES[key]
 
 
+def slime_stop_token_ids(args, sampling_params) -> tuple:
+    """The stop tokens slime asks for: `sampling_params["stop_token_ids"]` (what slime's own generate sends to
+    SGLang: --rollout-stop-token-ids, or an eval dataset's own `stop_token_ids`), else
+    `args.rollout_stop_token_ids` (sampling parameters without the key, e.g. a custom rollout function's)."""
+    ids = sampling_params.get("stop_token_ids")
+    if ids is None:
+        ids = get(args, "rollout_stop_token_ids")
+    if ids is None:
+        return ()
+    if isinstance(ids, (int, str)):  # slime's flag takes "a list of integers or a single integer"
+        ids = [ids]
+    try:
+        return tuple(sorted({int(t) for t in ids}))
+    except (TypeError, ValueError):
+        raise ValueError(f"slime's stop_token_ids must be token ids (integers), got {ids!r}") from None
+
+
 def rollout_config(args, sampling_params) -> RolloutConfig:
     """RolloutConfig from the YAML key `compaction_rollout` (a dict of RolloutConfig fields); temperature and
     top_p default to slime's (--rollout-temperature, --rollout-top-p), the response cap to
-    --rollout-max-response-len (sampling_params["max_new_tokens"]), the budget to --rollout-max-context-len."""
+    --rollout-max-response-len (sampling_params["max_new_tokens"]), the budget to --rollout-max-context-len.
+    Its `stop_token_ids` are those of `compaction_rollout` and slime's (`slime_stop_token_ids`: the loop stops a
+    response, and strips the stop token from the action and the summary, at either, as at the chat format's
+    end of turn)."""
     fields = get(args, "compaction_rollout", {})
     if not isinstance(fields, dict):
         raise TypeError(f"compaction_rollout must be a mapping of RolloutConfig fields, got {type(fields).__name__}")
@@ -122,8 +142,8 @@ def rollout_config(args, sampling_params) -> RolloutConfig:
         if v is not None:
             base[k] = v
     base.update(fields)
-    if "stop_token_ids" in base:
-        base["stop_token_ids"] = tuple(base["stop_token_ids"])
+    own = tuple(base.get("stop_token_ids") or ())
+    base["stop_token_ids"] = own + tuple(t for t in slime_stop_token_ids(args, sampling_params) if t not in own)
     try:
         return RolloutConfig(**base)
     except (TypeError, ValueError) as e:
@@ -136,7 +156,10 @@ async def generate(args, sample, sampling_params, evaluation=False):
     Options (YAML keys of --custom-config-path, docs/slime.md): `compaction_env` (required: dotted path of
     `make_env(args, sample)` returning an environment with reset(seed) / step(action)), `compaction_rollout`,
     `compaction_tokenizer` (dotted path of a function returning the tokenizer; default: the tokenizer of
-    --hf-checkpoint). The episode's reset seed is `sample.metadata["seed"]`, else `sample.index`.
+    --hf-checkpoint). The episode's reset seed is `sample.metadata["seed"]`, else `sample.index`. slime's stop
+    tokens (`sampling_params["stop_token_ids"]`, else --rollout-stop-token-ids) end a response as the chat
+    format's end of turn does, and `sampling_params` other than the loop's own (stop strings, top_k, ...) go
+    to the router with every request.
 
     Returns the segment Samples (evaluation: the last one only, carrying the episode's reward); `sample` with
     status ABORTED when slime aborted a request.

@@ -241,3 +241,38 @@ def run_rank(rank, world, port, cp_size, samples, inputs, args_kw, out_dir, bad_
 
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
+
+
+def spawn_cases(world, cases, cp_size=1):
+    """Several batches through slime's data path on one process group of `world` ranks (gloo): cases is a list
+    of (samples, inputs, args_kw). Returns, per case, each rank's result (as run_rank's) in rank order."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(run_cases, args=(world, free_port(), cp_size, cases, d), nprocs=world, join=True)
+        per_rank = [torch.load(f"{d}/rank{r}.pt", weights_only=False) for r in range(world)]
+    return [list(results) for results in zip(*per_rank)]
+
+
+def run_cases(rank, world, port, cp_size, cases, out_dir):
+    """spawn_cases' process: each case's batch through slime's compute_advantages_and_returns on this rank."""
+    torch.set_num_threads(1)
+    ps = init_parallel(rank, world, port, cp_size)
+    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+
+    out = []
+    for samples, inputs, args_kw in cases:
+        args = slime_args(**args_kw)
+        dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        rd = add_token_inputs(rank_data(train_data(samples, args, dp_size, cp_size), args, dp_rank, dp_size), inputs,
+                              cp_size)
+        try:
+            compute_advantages_and_returns(args, rd)
+            out.append({k: rd[k] for k in ("partition", "advantages", "returns", "rewards", "total_lengths",
+                                            "response_lengths")})
+        except ValueError as e:
+            out.append({"error": str(e)})
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()

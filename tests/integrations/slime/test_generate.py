@@ -174,6 +174,137 @@ def test_reset_failure_keeps_slimes_batch_shape():
         assert sorted(train["rollout_ids"]) == [0] * len(good) + [1]
 
 
+class _GenerateServer:
+    """A local HTTP server answering POST /generate with `self._handle` (async with: started, then closed)."""
+
+    async def __aenter__(self):
+        from aiohttp import web
+        from aiohttp.test_utils import TestServer
+
+        app = web.Application()
+        app.router.add_post("/generate", self._handle)
+        self._server = TestServer(app)
+        await self._server.start_server()
+        self.url = str(self._server.make_url("")).rstrip("/")
+        return self
+
+    async def __aexit__(self, *exc):
+        await self._server.close()
+
+
+class SGLangStops(_GenerateServer):
+    """/generate over HTTP with SGLang's stop rule, on scripted token streams: each request takes the next stream
+    and answers its tokens up to max_new_tokens, ending at the first one in sampling_params["stop_token_ids"]
+    (included: slime sends no_stop_trim) with finish_reason "stop", else "length". A server that ignored the
+    request's stop tokens would answer the whole stream."""
+
+    def __init__(self, streams):
+        self.streams, self.requests = [list(t) for t in streams], []
+
+    async def _handle(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        self.requests.append(body)
+        sp, stream = body["sampling_params"], self.streams.pop(0)
+        stops, out, kind = set(sp.get("stop_token_ids") or ()), [], "length"
+        for t in stream[:sp["max_new_tokens"]]:
+            out.append(t)
+            if t in stops:
+                kind = "stop"
+                break
+        return web.json_response({"text": "", "meta_info": {
+            "output_token_logprobs": [[-0.5, t, None] for t in out], "finish_reason": {"type": kind}}})
+
+
+class FirstActionEnv:
+    """Two turns; reward 1 when the first action (the response without its stop token) was exactly "next"."""
+
+    def __init__(self):
+        self.actions = []
+
+    def reset(self, seed):
+        return "memory", "collect 1 digits answer all in order"
+
+    def step(self, action):
+        self.actions.append(action)
+        if len(self.actions) == 1:
+            return "digit 1 5", False, 0.0
+        return "", True, float(self.actions[0] == "next")
+
+
+ENVS = {}
+
+
+def make_first_action_env(args, sample):
+    ENVS[sample.index] = FirstActionEnv()
+    return ENVS[sample.index]
+
+
+def test_slimes_stop_token_ids_stop_the_loops_responses(tmp_path):
+    """--rollout-stop-token-ids (issue 55), through slime's real parse_args and the sampling parameters its
+    rollout hands our generate (GenerateState): the engine is asked to stop there, and a response that reaches
+    the token ends with it, its action without it, as at the end of turn. The policy's first turn here is
+    "next la lo <eos>": with "la" a stop token the environment sees "next" (reward 1), without it "next la lo"
+    (reward 0)."""
+    from slime.utils.types import Sample
+
+    from ._slime_args import parse
+
+    tok = memory_tokenizer()
+    ids = {w: tok.convert_tokens_to_ids(w) for w in ("next", "la", "lo", "answer", "5")}
+    eos = tok.eos_token_id
+    tok.save_pretrained(tmp_path)
+    with open(tmp_path / "compaction.yaml", "w") as f:
+        f.write(f"compaction_env: {HERE}.make_first_action_env\n")
+    args, sampling_params = parse([
+        "--debug-rollout-only", "--rollout-num-gpus", "1", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
+        "--num-rollout", "1", "--hf-checkpoint", str(tmp_path), "--prompt-data", str(tmp_path / "prompts.jsonl"),
+        "--rollout-batch-size", "1", "--global-batch-size", "1", "--rollout-max-response-len", "16",
+        "--custom-generate-function-path", "compactionrl_fast.integrations.slime.generate",
+        "--custom-config-path", str(tmp_path / "compaction.yaml"), "--rollout-stop-token-ids", str(ids["la"])],
+        tmp_path / "args.pkl")
+    assert args.rollout_stop_token_ids == [ids["la"]] and sampling_params["stop_token_ids"] == [ids["la"]]
+    assert args.compaction_env == f"{HERE}.make_first_action_env"  # slime copied the YAML's keys
+    streams = [[ids["next"], ids["la"], ids["lo"], eos], [ids["answer"], ids["5"], eos]]
+
+    async def run(args, sampling_params, index):
+        async with SGLangStops(streams) as srv:
+            args = argparse.Namespace(**dict(vars(args), sglang_router_ip="127.0.0.1",
+                                             sglang_router_port=_port(srv.url)))
+            out = await generate(args, Sample(index=index, prompt="p"), dict(sampling_params))
+            return out, srv.requests
+
+    def first_response(samples):  # the first run of trainable tokens: the first turn's response
+        s = samples[0]
+        out = []
+        for t, m in zip(s.tokens[-s.response_length:], s.loss_mask):
+            if not m and out:
+                break
+            out += [t] if m else []
+        return out
+
+    # slime's own arguments and sampling parameters: the loop stops at "la" too
+    samples, requests = asyncio.run(run(args, sampling_params, 0))
+    assert all({eos, ids["la"]} <= set(r["sampling_params"]["stop_token_ids"]) for r in requests)
+    assert ENVS[0].actions == ["next", "answer 5"] and {s.reward for s in samples} == {1.0}
+    assert first_response(samples) == [ids["next"], ids["la"]] and samples[0].status == Sample.Status.COMPLETED
+    # sampling parameters without the key (a custom rollout function's): --rollout-stop-token-ids still holds
+    no_key = {k: v for k, v in sampling_params.items() if k != "stop_token_ids"}
+    samples, _ = asyncio.run(run(args, no_key, 1))
+    assert ENVS[1].actions == ["next", "answer 5"] and first_response(samples) == [ids["next"], ids["la"]]
+    # an eval dataset's own stop_token_ids replace the flag's in slime's sampling parameters: those hold
+    samples, requests = asyncio.run(run(args, dict(sampling_params, stop_token_ids=[ids["lo"]]), 2))
+    assert all(ids["la"] not in r["sampling_params"]["stop_token_ids"] for r in requests)
+    assert ENVS[2].actions == ["next la", "answer 5"] and {s.reward for s in samples} == {0.0}
+    # without slime's stop token the same policy's first turn runs to the end of turn: another result
+    plain = argparse.Namespace(**dict(vars(args), rollout_stop_token_ids=None))
+    samples, requests = asyncio.run(run(plain, dict(sampling_params, stop_token_ids=None), 3))
+    assert all(ids["la"] not in r["sampling_params"]["stop_token_ids"] for r in requests)
+    assert ENVS[3].actions == ["next la lo", "answer 5"] and {s.reward for s in samples} == {0.0}
+    assert first_response(samples) == [ids["next"], ids["la"], ids["lo"], eos]
+
+
 def _bare_rollout_manager(args):
     from slime.ray.rollout import RolloutManager
 
@@ -183,7 +314,7 @@ def _bare_rollout_manager(args):
     return rm
 
 
-class ModelServer:
+class ModelServer(_GenerateServer):
     """/generate over HTTP backed by TransformersEngine (a real model), SGLang's request and response shape."""
 
     def __init__(self, engine):
@@ -201,20 +332,6 @@ class ModelServer:
         return web.json_response({"text": "", "meta_info": {
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(g.logprobs, g.token_ids)],
             "finish_reason": {"type": g.finish_reason}}})
-
-    async def __aenter__(self):
-        from aiohttp import web
-        from aiohttp.test_utils import TestServer
-
-        app = web.Application()
-        app.router.add_post("/generate", self._handle)
-        self._server = TestServer(app)
-        await self._server.start_server()
-        self.url = str(self._server.make_url("")).rstrip("/")
-        return self
-
-    async def __aexit__(self, *exc):
-        await self._server.close()
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import pytest
 
 from compactionrl_fast.integrations.slime import eval_metrics, rollout_metrics
 from compactionrl_fast.rollout import metrics as vocabulary
+from tests.rollout.test_metrics import COUNTS, TOKENS  # the same three rollouts as FACTS there, as slime samples
 
 
 def _sample(rid, k, kind, mask, segments, reason, compactions):
@@ -14,21 +15,11 @@ def _sample(rid, k, kind, mask, segments, reason, compactions):
 
 
 def _batch():
-    # rollout 0: exec (3 trainable), summary (2), exec (1): 1 compaction, max_turns
-    # rollout 1: one exec window (4 trainable), done; rollout 2: its environment failed at reset
+    # tests/rollout/test_metrics.py's FACTS as slime samples: rollout 0 (its "a"): exec (3 trainable), summary (2),
+    # exec (1), 1 compaction, max_turns; rollout 1 ("b"): one exec window (4), done; 2 ("c"): failed at reset
     return [_sample(0, 0, "exec", [1, 1, 0, 1], 3, "max_turns", 1), _sample(0, 1, "summary", [1, 1], 3, "max_turns", 1),
             _sample(1, 0, "exec", [1, 1, 1, 1], 1, "done", 0), _sample(0, 2, "exec", [0, 1], 3, "max_turns", 1),
             _sample(2, 0, None, [], 0, "error", 0)]
-
-
-COUNTS = {"compaction/rollouts": 3, "compaction/compactions_per_rollout/mean": 1 / 3,
-          "compaction/compactions_per_rollout/max": 1, "compaction/segments_per_rollout/mean": 4 / 3,
-          "compaction/segments_per_rollout/max": 3, "compaction/finish_reason/done": 1 / 3,
-          "compaction/finish_reason/error": 1 / 3, "compaction/finish_reason/max_turns": 1 / 3}
-TOKENS = {"compaction/summary_tokens_per_rollout/mean": 2 / 3, "compaction/summary_tokens_per_rollout/max": 2,
-          "compaction/trainable_tokens_per_segment/exec/mean": 8 / 3,
-          "compaction/trainable_tokens_per_segment/summary/mean": 2.0,
-          "compaction/trainable_tokens_share/exec": 0.8, "compaction/trainable_tokens_share/summary": 0.2}
 
 
 def test_rollout_metrics_by_hand():

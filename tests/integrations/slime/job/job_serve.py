@@ -1,9 +1,12 @@
 """The SGLang engines of the slime job on CPU (tests/integrations/slime/job/test_job.py), one process: replicas of an
-SGLang-protocol server over the tiny Llama of --hf-checkpoint (our TransformersEngine), each answering what slime
+SGLang-protocol server over the model of --hf-checkpoint (the job's: the memory task's SFT model, the demo's tiny
+Llama; our TransformersEngine), each answering what slime
 and sglang_router ask of an external engine (slime/backends/sglang_utils/external.py, sglang_engine.py,
 server_control.py): GET /server_info, GET /health (the router's registration check), POST /generate (input_ids,
 sampling_params, return_logprob; answers meta_info.output_token_logprobs and finish_reason), POST
-/abort_request ({"abort_all": true}) and GET /v1/loads.
+/abort_request ({"abort_all": true}) and GET /v1/loads. /server_info also tells the test what it served: the
+model's shape (`crf_model`) and the `stop_token_ids` of every /generate request (`crf_stop_token_ids`: distinct
+lists and how many requests sent each).
 
 A request whose prompt holds HOLD (three "none" words: no memory-task context holds them) waits until slime
 aborts it, so the job's over-sampled prompts are aborted in every step, whatever the timing.
@@ -20,9 +23,10 @@ HOLD = "none none none"
 
 
 class Replica:
-    def __init__(self, engine, hold_ids, pool):
-        self.engine, self.hold_ids, self.pool = engine, hold_ids, pool
+    def __init__(self, engine, hold_ids, pool, model_info):
+        self.engine, self.hold_ids, self.pool, self.model_info = engine, hold_ids, pool, model_info
         self.held, self.running, self.aborted = set(), 0, 0
+        self.stops = {}  # tuple(stop_token_ids) -> requests
 
     def _holds(self, ids):
         n = len(self.hold_ids)
@@ -33,6 +37,8 @@ class Replica:
 
         body = await request.json()
         sp, ids = body["sampling_params"], body["input_ids"]
+        key = tuple(sp.get("stop_token_ids") or ())
+        self.stops[key] = self.stops.get(key, 0) + 1
         if self._holds(ids):
             wait = asyncio.get_running_loop().create_future()
             self.held.add(wait)
@@ -77,7 +83,8 @@ class Replica:
         from aiohttp import web
 
         return web.json_response({"tp_size": 1, "pp_size": 1, "dp_size": 1, "ep_size": 1,
-                                  "aborted_requests": self.aborted})
+                                  "aborted_requests": self.aborted, "crf_model": self.model_info,
+                                  "crf_stop_token_ids": [[list(k), n] for k, n in self.stops.items()]})
 
 
 async def serve(hf_dir, ports):
@@ -91,9 +98,12 @@ async def serve(hf_dir, ports):
     engine = TransformersEngine(model, pad_token_id=tok.pad_token_id)
     pool = concurrent.futures.ThreadPoolExecutor(1)  # one model: one generation at a time
     hold_ids = tok(HOLD, add_special_tokens=False)["input_ids"]
+    c = model.config
+    model_info = dict(architecture=type(model).__name__, hidden_size=c.hidden_size,
+                      num_attention_heads=c.num_attention_heads, num_hidden_layers=c.num_hidden_layers)
     runners = []
     for port in ports:
-        rep, app = Replica(engine, hold_ids, pool), web.Application()
+        rep, app = Replica(engine, hold_ids, pool, model_info), web.Application()
         app.router.add_post("/generate", rep.generate)
         app.router.add_post("/abort_request", rep.abort)
         app.router.add_get("/v1/loads", rep.loads)

@@ -336,6 +336,10 @@ def test_resume_restores_the_weights_and_the_data_loader(work):
     assert seeds(first) == seeds(again) and set(seeds(first)).isdisjoint(seeds(_dump(w, "dp2", 1)))
     same = lambda d: sorted((r["extra"]["seed"], tuple(r["response"])) for _, rows in rollouts(d) for r in rows)  # noqa: E731
     assert same(first) == same(again)
+    # and its step-2 update is the first launch's: to 1e-6 (one update moves weights by about lr = 1e-3; the
+    # resumed one was 2.5e-8 from the uninterrupted one when measured, not bitwise)
+    a, b = _weights(w, "dp2", "actor", 2, "exit"), _weights(w, "resume", "actor", 1, "exit")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
 
 
 def test_a_short_values_row_at_dp2_stops_the_job_with_the_error(work):
@@ -383,7 +387,8 @@ def test_the_exported_model_scores_alike_in_vllm_verl_and_our_trainer(work):
 
 def test_demo_verls_evaluator_reads_verls_checkpoint(work):
     """The step-2 checkpoint's Hugging Face weights (checkpoint.save_contents with hf_model), read by demo-verl's
-    `verl_actor`, are the actor after step 2's update, and the demo's evaluator runs on them."""
+    `verl_actor`, are the actor after step 2's update, and the demo's evaluator runs on them. The resumed launch
+    wrote global_step_2 last (same folder): its first update is step 2."""
     from compactionrl_fast.app.demo_verl import verl_actor
     from compactionrl_fast.app.runner import run_eval
     from compactionrl_fast.envs import MemoryEnv, memory_config
@@ -391,7 +396,7 @@ def test_demo_verls_evaluator_reads_verls_checkpoint(work):
     _ok(work, "dp2")
     w, _ = work
     actor = verl_actor(os.path.join(w, "ckpt", "global_step_2"))
-    trained = _weights(w, "dp2", "actor", 2, "exit")
+    trained = _weights(w, "resume", "actor", 1, "exit")
     got = actor.state_dict()
     for k, v in trained.items():
         if k in got:  # the tied LM head is saved once

@@ -180,10 +180,10 @@ test-slime:         ## compute_advantages/generate inside the real slime (snapsh
 	else echo "==> SKIP test-slime: no slime snapshot at $(SLIME_SRC) (the repository's ../shared/vendor)"; fi
 
 slime-venv-tests:   # test-slime's steps, once the snapshot is known to be there
-	@echo "==> [1/3] $(SLIME_VENV): $(SLIME_DEPS) (constraints.txt), $(SLIME_PEERS)"
+	@echo "==> [1/3] $(SLIME_VENV): $(SLIME_DEPS) (constraints.txt), $(SLIME_PEERS), $(SLIME_JOB_DEPS)"
 	test -x $(SLIME_VENV)/bin/python || python3 -m venv $(SLIME_VENV)
 	$(SLIME_VENV)/bin/python -m pip install -q $(PIN) $(SLIME_DEPS)
-	$(SLIME_VENV)/bin/python -m pip install -q $(PIN) $(SLIME_PEERS)
+	$(SLIME_VENV)/bin/python -m pip install -q $(PIN) $(SLIME_PEERS) $(SLIME_JOB_DEPS)
 	@echo "==> [2/3] the project"
 	$(call link_project,$(SLIME_VENV))
 	@echo "==> [3/3] tests/integrations/slime with slime from $(SLIME_SRC)"
@@ -194,6 +194,7 @@ slime-venv-tests:   # test-slime's steps, once the snapshot is known to be there
 # launches); tests/integrations/slime/job/test_job.py starts the engines of tests/integrations/slime/job/job_serve.py and
 # train.py with --debug-rollout-only on a local Ray. The engines serve the memory task's SFT model, cached in
 # build/sft-memory (shared with test-verl-job; whichever job runs first makes it: 1-2 min on 2 cores).
+# (test-slime installs them too: slime's rollout module, which its stop-token test imports, needs PIL.)
 SLIME_JOB_DEPS = pillow pylatexenc==2.11 sglang-router==0.3.2
 ifneq ($(wildcard $(SLIME_SRC)/slime),)
 test-slime-job:     ## (CI) slime's train.py drives our generate through its RolloutManager: 2 steps on CPU (about 2-3 min)

@@ -82,6 +82,7 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/results/verl_step_profile")
     a = ap.parse_args(argv)
     from compactionrl_fast.app.demo_verl import demo_verl_config
+    from compactionrl_fast.train import atomic
     from compactionrl_fast.train.config_load import from_dict, update
 
     with open(os.path.join(a.run_dir, "demo_verl_cpu.json")) as f:
@@ -109,10 +110,9 @@ def main(argv=None):
     md += ["", f"The plug-in's trainer mode (`adv`) is {100 * v['adv'] / v['step']:.1f}% of verl's step; the agent "
            "loop (our compaction loop) runs inside `gen`."]
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out + ".md", "w") as fh:
-        fh.write("\n".join(md) + "\n")
-    with open(a.out + ".json", "w") as fh:
-        json.dump({"verl": v, "ours": o, "run_dir": a.run_dir, "machine": res["machine"]}, fh, indent=1)
+    atomic.write_text(a.out + ".md", "\n".join(md) + "\n")
+    atomic.write_text(a.out + ".json", json.dumps({"verl": v, "ours": o, "run_dir": a.run_dir,
+                                                   "machine": res["machine"]}, indent=1))
     print("\n".join(md))
 
 

@@ -215,7 +215,10 @@ def run_verl(cfg: TrainConfig, seed, variant, *, progress=True, timeout=7200):
     label = f"verl   seed {seed} {variant:8s}"
     overrides = verl_overrides(cfg, work, seed, train_summary_tokens=variant == "full")
     done = os.path.join(work, "done.json")
-    finished = json.load(open(done)) if os.path.exists(done) else {}
+    finished = {}
+    if os.path.exists(done):
+        with open(done) as f:
+            finished = json.load(f)
     if finished.get("overrides") == overrides and finished.get("sft") == _sft_stamp(cfg, seed):
         print(f"{label} finished before with the same overrides and SFT weights ({done}): evaluating it",
               flush=True)
